@@ -1,0 +1,383 @@
+"""Configuration of the Kimi K3 text model (hybrid KDA/MLA, Block Attention Residuals, Stable LatentMoE).
+
+Field names and meanings are those of the released checkpoint's ``text_config`` (architecture.md §1.2-1.3), so a
+released ``config.json`` loads unchanged; the multimodal wrapper of the release is flattened to its text part.
+Defaults describe a small model that trains on a CPU in minutes while keeping every K3 invariant (architecture.md §6);
+``KimiK3Config.kimi_k3()`` gives the released 2.78T configuration.
+"""
+
+import copy
+
+from transformers.configuration_utils import PreTrainedConfig
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+ROUTER_SCORE_FUNCTIONS = ("sigmoid", "softmax")
+ROUTER_BALANCING_MODES = ("quantile_balancing", "none")
+QB_ESTIMATORS = ("histogram", "exact")
+SUPPORTED_ACTIVATIONS = ("situ", "silu", "gelu", "relu")
+# Keys of the released multimodal wrapper that describe the vision side or serving-time quantization only.
+_WRAPPER_ONLY_KEYS = ("vision_config", "media_placeholder_token_id", "image_placeholder", "ignore_index")
+_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _small_linear_attn_config() -> dict:
+    # 9 layers: KDA at 1-3 and 5-7, MLA at 4, 8 and 9 (two MLA layers at the end, as in the release).
+    return {
+        "kda_layers": [1, 2, 3, 5, 6, 7],
+        "full_attn_layers": [4, 8, 9],
+        "num_heads": 4,
+        "head_dim": 32,
+        "short_conv_kernel_size": 4,
+        "gate_lower_bound": -5.0,
+        "use_full_rank_gate": True,
+    }
+
+
+class KimiK3Config(PreTrainedConfig):
+    r"""
+    Configuration for [`KimiK3ForCausalLM`]: the text tower of Kimi K3.
+
+    Besides the released fields, three training-side switches control what the model *records* during training
+    forwards (the policies that consume these statistics live outside the model):
+
+    router_balancing (`str`, defaults to `"quantile_balancing"`):
+        `"quantile_balancing"`: routers route with top-(k+1) in training and record the required-bias statistics of
+        Quantile Balancing (training.md §1.2-1.4). `"none"`: plain top-k, only per-expert token counts are kept.
+    qb_num_bins (`int`, defaults to 1000): histogram bins of the required bias (training.md §1.4).
+    qb_estimator (`str`, defaults to `"histogram"`): `"histogram"` or `"exact"` (keeps every required bias).
+    record_attn_logit_max (`bool`, defaults to `False`): MLA layers record their per-head maximum pre-softmax logit
+        during training forwards, for QK-Clip (training.md §2.5).
+    """
+
+    model_type = "kimi_k3"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    attribute_map = {
+        "num_local_experts": "num_experts",
+        "num_experts_per_tok": "num_experts_per_token",
+        "n_shared_experts": "num_shared_experts",
+        "norm_topk_prob": "moe_renormalize",
+        "n_group": "num_expert_group",
+    }
+
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    num_hidden_layers: int = 9
+    max_position_embeddings: int = 8192
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-5
+    use_cache: bool = True
+    tie_word_embeddings: bool = False
+    pad_token_id: int | None = 0
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+
+    # Gated MLA (architecture.md §2.4)
+    num_attention_heads: int = 4
+    num_key_value_heads: int | None = None
+    q_lora_rank: int | None = 128
+    kv_lora_rank: int | None = 64
+    qk_nope_head_dim: int | None = 32
+    qk_rope_head_dim: int | None = 16
+    v_head_dim: int | None = 32
+    mla_use_nope: bool = True
+    mla_use_output_gate: bool = True
+    attention_dropout: float = 0.0
+
+    # Kimi Delta Attention (architecture.md §2.3); the 1-based layer lists also define the layer pattern.
+    linear_attn_config: dict | None = None
+
+    # Feed-forward (architecture.md §2.5-2.6)
+    hidden_act: str = "situ"
+    activation_situ_beta: float | None = 4.0
+    activation_situ_linear_beta: float | None = 25.0
+    intermediate_size: int = 768
+    first_k_dense_replace: int = 1
+    moe_layer_freq: int = 1
+    num_experts: int | None = 64
+    num_experts_per_token: int = 4
+    num_shared_experts: int = 2
+    moe_intermediate_size: int = 128
+    routed_expert_hidden_size: int | None = 128
+    latent_moe_use_norm: bool = True
+    moe_router_activation_func: str = "sigmoid"
+    moe_renormalize: bool = True
+    routed_scaling_factor: float = 1.0
+    topk_method: str = "noaux_tc"
+    use_grouped_topk: bool = True
+    num_expert_group: int = 1
+    topk_group: int = 1
+
+    # Block Attention Residuals (architecture.md §2.2); None gives the plain pre-norm residual stream.
+    attn_res_block_size: int | None = 4
+    num_nextn_predict_layers: int = 0
+
+    # What the model records for training-side policies (see the class docstring).
+    router_balancing: str = "quantile_balancing"
+    qb_num_bins: int = 1000
+    qb_estimator: str = "histogram"
+    record_attn_logit_max: bool = False
+
+    # Canonical transformers layer descriptions, derived from the released fields.
+    layer_types: list[str] | None = None
+    mlp_layer_types: list[str] | None = None
+
+    def __post_init__(self, **kwargs):
+        text_config = kwargs.pop("text_config", None)
+        if text_config is not None:
+            kwargs = self._flatten_release_wrapper(text_config, kwargs)
+        if self.linear_attn_config is None:
+            self.linear_attn_config = _small_linear_attn_config()
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        super().__post_init__(**kwargs)
+        self._validate()
+        self._derive_layer_types()
+
+    def _flatten_release_wrapper(self, text_config: dict, kwargs: dict) -> dict:
+        """Take the text part of a released multimodal ``config.json`` (architecture.md §1.1).
+
+        Text fields override the wrapper's; token ids missing from the text part are carried over from the wrapper.
+        The text part's own ``model_type``/``architectures``/``auto_map`` point at the release's remote code and
+        ``quantization_config`` describes the MXFP4 expert storage, which the loader dequantizes itself.
+        """
+        if not isinstance(text_config, dict):
+            text_config = text_config.to_dict()
+        text_config = copy.deepcopy(text_config)
+        dropped = [key for key in _WRAPPER_ONLY_KEYS if kwargs.pop(key, None) is not None]
+        for key in ("model_type", "architectures", "auto_map", "quantization_config", "transformers_version"):
+            if text_config.pop(key, None) is not None:
+                dropped.append(f"text_config.{key}")
+        fields = self.__dataclass_fields__
+        for key, value in text_config.items():
+            if key in fields or key in self.attribute_map:
+                setattr(self, key, value)
+            elif key not in kwargs or key not in _TOKEN_ID_KEYS:
+                kwargs[key] = value
+        # The wrapper's layer lists are absent; recompute from the text part's linear_attn_config.
+        self.layer_types = None
+        self.mlp_layer_types = None
+        logger.info(f"Read the text part of a released Kimi-K3 config; ignored wrapper keys: {sorted(dropped)}")
+        return kwargs
+
+    @classmethod
+    def kimi_k3(cls, **overrides) -> "KimiK3Config":
+        """The released Kimi-K3 text configuration (architecture.md §1.2)."""
+        full_attn = [i for i in range(4, 93, 4)] + [93]
+        kda = [i for i in range(1, 94) if i not in full_attn]
+        values = {
+            "vocab_size": 163840,
+            "hidden_size": 7168,
+            "num_hidden_layers": 93,
+            "max_position_embeddings": 1048576,
+            "pad_token_id": 163839,
+            "bos_token_id": 163584,
+            "eos_token_id": 163586,
+            "num_attention_heads": 96,
+            "num_key_value_heads": 96,
+            "q_lora_rank": 1536,
+            "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "linear_attn_config": {
+                "kda_layers": kda,
+                "full_attn_layers": full_attn,
+                "num_heads": 96,
+                "head_dim": 128,
+                "short_conv_kernel_size": 4,
+                "gate_lower_bound": -5.0,
+                "use_full_rank_gate": True,
+            },
+            "intermediate_size": 33792,
+            "num_experts": 896,
+            "num_experts_per_token": 16,
+            "num_shared_experts": 2,
+            "moe_intermediate_size": 3072,
+            "routed_expert_hidden_size": 3584,
+            "attn_res_block_size": 12,
+            "dtype": "bfloat16",
+        }
+        values.update(overrides)
+        return cls(**values)
+
+    # ------------------------------------------------------------------ derived properties
+    @property
+    def kda_layer_indices(self) -> list[int]:
+        """0-based indices of the Kimi Delta Attention layers."""
+        return [i - 1 for i in self.linear_attn_config.get("kda_layers", [])]
+
+    @property
+    def mla_layer_indices(self) -> list[int]:
+        """0-based indices of the Gated MLA layers."""
+        return [i - 1 for i in self.linear_attn_config.get("full_attn_layers", [])]
+
+    @property
+    def number_of_conv_states(self) -> int:
+        # KDA keeps separate q, k and v short convolutions, hence three conv-state slots per cache layer.
+        return 3
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return (
+            self.num_experts is not None
+            and layer_idx >= self.first_k_dense_replace
+            and layer_idx % self.moe_layer_freq == 0
+        )
+
+    def _derive_layer_types(self) -> None:
+        mla = set(self.mla_layer_indices)
+        layer_types = ["full_attention" if i in mla else "linear_attention" for i in range(self.num_hidden_layers)]
+        mlp_layer_types = ["sparse" if self.is_moe_layer(i) else "dense" for i in range(self.num_hidden_layers)]
+        for name, derived in (("layer_types", layer_types), ("mlp_layer_types", mlp_layer_types)):
+            given = getattr(self, name)
+            if given is not None and list(given) != derived:
+                raise ValueError(
+                    f"`{name}`={given} contradicts the layer pattern derived from `linear_attn_config` and "
+                    f"`first_k_dense_replace`/`moe_layer_freq` ({derived}); drop `{name}` or fix those fields."
+                )
+            setattr(self, name, derived)
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self) -> None:
+        """Reject every inconsistent or unsupported setting with a message naming the field."""
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                     "max_position_embeddings", "moe_layer_freq"):
+            _require_positive_int(name, getattr(self, name))
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"`rms_norm_eps` must be > 0, got {self.rms_norm_eps}.")
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"`hidden_act` must be one of {SUPPORTED_ACTIVATIONS}, got {self.hidden_act!r}.")
+        for name in ("activation_situ_beta", "activation_situ_linear_beta"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"`{name}` must be > 0 or None, got {value}.")
+        if self.attn_res_block_size is not None:
+            _require_positive_int("attn_res_block_size", self.attn_res_block_size)
+        if self.num_nextn_predict_layers != 0:
+            raise ValueError(
+                f"`num_nextn_predict_layers` must be 0 (multi-token prediction layers are not supported), "
+                f"got {self.num_nextn_predict_layers}."
+            )
+        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+            raise ValueError(
+                f"`first_k_dense_replace` must be in [0, num_hidden_layers={self.num_hidden_layers}], "
+                f"got {self.first_k_dense_replace}."
+            )
+        self._validate_layer_lists()
+        if self.kda_layer_indices:
+            self._validate_kda()
+        if self.mla_layer_indices:
+            self._validate_mla()
+        if self.num_experts is not None:
+            self._validate_moe()
+        if self.router_balancing not in ROUTER_BALANCING_MODES:
+            raise ValueError(
+                f"`router_balancing` must be one of {ROUTER_BALANCING_MODES}, got {self.router_balancing!r}."
+            )
+        if self.qb_estimator not in QB_ESTIMATORS:
+            raise ValueError(f"`qb_estimator` must be one of {QB_ESTIMATORS}, got {self.qb_estimator!r}.")
+        if not isinstance(self.qb_num_bins, int) or self.qb_num_bins < 2:
+            raise ValueError(f"`qb_num_bins` must be an integer >= 2, got {self.qb_num_bins!r}.")
+
+    def _validate_layer_lists(self) -> None:
+        cfg = self.linear_attn_config
+        if not isinstance(cfg, dict):
+            raise ValueError(f"`linear_attn_config` must be a dict, got {type(cfg).__name__}.")
+        lists = {}
+        for key in ("kda_layers", "full_attn_layers"):
+            layers = cfg.get(key)
+            if layers is None:
+                raise ValueError(f"`linear_attn_config.{key}` is missing; give the 1-based layer numbers (may be []).")
+            if len(set(layers)) != len(layers):
+                raise ValueError(f"`linear_attn_config.{key}` lists a layer twice: {layers}.")
+            bad = [i for i in layers if not isinstance(i, int) or not 1 <= i <= self.num_hidden_layers]
+            if bad:
+                raise ValueError(
+                    f"`linear_attn_config.{key}` holds 1-based layer numbers in [1, {self.num_hidden_layers}]; "
+                    f"out of range: {bad}."
+                )
+            lists[key] = set(layers)
+        overlap = lists["kda_layers"] & lists["full_attn_layers"]
+        if overlap:
+            raise ValueError(
+                f"`linear_attn_config.kda_layers` and `full_attn_layers` overlap at layers {sorted(overlap)}."
+            )
+        missing = set(range(1, self.num_hidden_layers + 1)) - lists["kda_layers"] - lists["full_attn_layers"]
+        if missing:
+            raise ValueError(
+                f"Layers {sorted(missing)} are in neither `linear_attn_config.kda_layers` nor `full_attn_layers`."
+            )
+
+    def _validate_kda(self) -> None:
+        cfg = self.linear_attn_config
+        for key in ("num_heads", "head_dim", "short_conv_kernel_size"):
+            _require_positive_int(f"linear_attn_config.{key}", cfg.get(key))
+        lower_bound = cfg.get("gate_lower_bound")
+        if lower_bound is None or not lower_bound < 0:
+            raise ValueError(
+                f"`linear_attn_config.gate_lower_bound` must be a negative number (the K3 sigmoid decay gate), "
+                f"got {lower_bound!r}."
+            )
+        if cfg.get("use_full_rank_gate", True) is not True:
+            raise ValueError("`linear_attn_config.use_full_rank_gate` must be True (K3's full-rank output gate).")
+
+    def _validate_mla(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if value is None:
+                raise ValueError(f"`{name}` is required because the config has MLA layers (`full_attn_layers`).")
+            _require_positive_int(name, value)
+        if self.q_lora_rank is not None:
+            _require_positive_int("q_lora_rank", self.q_lora_rank)
+        if self.qk_rope_head_dim is None or self.qk_rope_head_dim < 0:
+            raise ValueError(f"`qk_rope_head_dim` must be an integer >= 0, got {self.qk_rope_head_dim!r}.")
+        if not self.mla_use_nope:
+            raise ValueError("`mla_use_nope` must be True: K3's MLA uses no rotary embedding (architecture.md §2.4).")
+
+    def _validate_moe(self) -> None:
+        for name in ("num_experts", "num_experts_per_token", "moe_intermediate_size"):
+            _require_positive_int(name, getattr(self, name))
+        if self.num_experts_per_token > self.num_experts:
+            raise ValueError(
+                f"`num_experts_per_token` ({self.num_experts_per_token}) must be <= `num_experts` ({self.num_experts})."
+            )
+        if self.num_shared_experts < 0:
+            raise ValueError(f"`num_shared_experts` must be >= 0, got {self.num_shared_experts}.")
+        if self.routed_expert_hidden_size is not None:
+            _require_positive_int("routed_expert_hidden_size", self.routed_expert_hidden_size)
+        if self.moe_router_activation_func not in ROUTER_SCORE_FUNCTIONS:
+            raise ValueError(
+                f"`moe_router_activation_func` must be one of {ROUTER_SCORE_FUNCTIONS}, "
+                f"got {self.moe_router_activation_func!r}."
+            )
+        if self.num_expert_group != 1 or self.topk_group != 1:
+            raise ValueError(
+                f"Group-limited routing is not supported: `num_expert_group` and `topk_group` must be 1, "
+                f"got {self.num_expert_group} and {self.topk_group}."
+            )
+        if self.router_balancing == "quantile_balancing":
+            if self.moe_router_activation_func != "sigmoid":
+                raise ValueError(
+                    "`router_balancing='quantile_balancing'` needs `moe_router_activation_func='sigmoid'` "
+                    "(its histogram range assumes scores in (0, 1), training.md §1.4)."
+                )
+            if self.num_experts_per_token + 1 > self.num_experts:
+                raise ValueError(
+                    f"`router_balancing='quantile_balancing'` routes with top-(k+1): `num_experts_per_token + 1` "
+                    f"({self.num_experts_per_token + 1}) must be <= `num_experts` ({self.num_experts})."
+                )
+
+
+def _require_positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+
+
+KimiK3Config.register_for_auto_class()
+
+__all__ = ["KimiK3Config"]

@@ -1,0 +1,924 @@
+"""PyTorch Kimi K3 text model: Kimi Delta Attention + Gated MLA, Block Attention Residuals, Stable LatentMoE.
+
+The file follows architecture.md §2 top-down: norms and SiTU, KDA kernels and layer, Gated MLA, Block Attention
+Residuals, router, experts, LatentMoE block, decoder layer, model. Attribute names are the released checkpoint's
+state-dict names (architecture.md §3.1). The file imports only torch, transformers and its configuration sibling, so
+it can be copied into a checkpoint folder and loaded with ``trust_remote_code=True``.
+"""
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+from transformers.generation import GenerationMixin
+from transformers.integrations import use_experts_implementation
+from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.utils import can_return_tuple, logging
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+
+try:
+    from .configuration_kimi_k3 import KimiK3Config
+except ImportError:
+    from configuration_kimi_k3 import KimiK3Config
+
+logger = logging.get_logger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Norms and activations (architecture.md §2.0, §2.5)
+# ---------------------------------------------------------------------------------------------------------------------
+class KimiK3RMSNorm(nn.Module):
+    """RMSNorm computed in fp32, cast back to the input dtype *before* the weight multiply (architecture.md §2.0)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.float()
+        hidden_states = hidden_states * torch.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class KimiK3GatedRMSNorm(nn.Module):
+    """Per-head RMSNorm followed by a sigmoid output gate, all in fp32 (KDA output, architecture.md §2.3 step 8)."""
+
+    def __init__(self, head_dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(head_dim))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        input_dtype = gate.dtype
+        hidden_states = hidden_states.float()
+        hidden_states = hidden_states * torch.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight.float() * hidden_states * torch.sigmoid(gate.float())).to(input_dtype)
+
+
+def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """SiTU-GLU: β₁·tanh(g/β₁)·σ(g) · β₂·tanh(u/β₂), in fp32 (training.md §3.1); |out| <= β₁β₂.
+
+    ``linear_beta=None`` leaves the up branch uncapped, as the released code does when the field is missing.
+    """
+    gate32, up32 = gate.float(), up.float()
+    activated_gate = beta * torch.tanh(gate32 / beta) * torch.sigmoid(gate32)
+    capped_up = up32 if linear_beta is None else linear_beta * torch.tanh(up32 / linear_beta)
+    return (activated_gate * capped_up).to(gate.dtype)
+
+
+class KimiK3GLUActivation(nn.Module):
+    """The gated activation shared by the dense MLP, the shared experts and the routed experts."""
+
+    def __init__(self, config: KimiK3Config):
+        super().__init__()
+        self.hidden_act = config.hidden_act
+        self.beta = config.activation_situ_beta if config.activation_situ_beta is not None else 1.0
+        self.linear_beta = config.activation_situ_linear_beta
+        self.act_fn = None if config.hidden_act == "situ" else ACT2FN[config.hidden_act]
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.act_fn is None:
+            return situ_and_mul(gate, up, self.beta, self.linear_beta)
+        return self.act_fn(gate) * up
+
+
+class KimiK3MLP(nn.Module):
+    """Dense GLU feed-forward: layer 0's ``mlp`` and the MoE ``shared_experts`` (architecture.md §2.5)."""
+
+    def __init__(self, config: KimiK3Config, intermediate_size: int | None = None):
+        super().__init__()
+        intermediate_size = intermediate_size or config.intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
+        self.glu = KimiK3GLUActivation(config)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.glu(self.gate_proj(hidden_states), self.up_proj(hidden_states)))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Kimi Delta Attention kernels (architecture.md §2.3). Inputs are fp32: q and k already L2-normalised, q scaled.
+# Shapes: q, k [B, T, H, Dk]; v [B, T, H, Dv]; g [B, T, H, Dk] (log-decay, <= 0); beta [B, T, H];
+# state [B, H, Dk, Dv].
+# ---------------------------------------------------------------------------------------------------------------------
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(Σx² + eps): the eps sits inside the square root, as in FLA's l2norm (architecture.md §2.3 step 3)."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def kda_decay_gate(
+    gate_input: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float
+) -> torch.Tensor:
+    """K3's "safe" decay gate g = lb·σ(exp(A_log[h])·(f + dt_bias)) ∈ (lb, 0), in fp32 (architecture.md §2.3 step 4).
+
+    It replaces Kimi Linear's −exp(A)·softplus(f + dt_bias); it is not a clamp of it.
+    """
+    num_heads = A_log.shape[0]
+    gate_input = gate_input.float().unflatten(-1, (num_heads, -1))
+    dt_bias = dt_bias.float().view(num_heads, -1)
+    return lower_bound * torch.sigmoid(A_log.float().exp()[:, None] * (gate_input + dt_bias))
+
+
+def recurrent_kda(q, k, v, g, beta, initial_state=None):
+    """Token-by-token delta rule with per-channel decay (architecture.md §2.3 step 6); used for decoding."""
+    batch_size, seq_len, num_heads, k_dim = k.shape
+    state = (
+        q.new_zeros(batch_size, num_heads, k_dim, v.shape[-1]) if initial_state is None else initial_state.float()
+    )
+    outputs = []
+    for t in range(seq_len):
+        state = state * g[:, t].exp()[..., None]
+        k_t = k[:, t]
+        correction = v[:, t] - torch.einsum("bhkv,bhk->bhv", state, k_t)
+        state = state + (beta[:, t, :, None] * k_t)[..., None] * correction[..., None, :]
+        outputs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
+    return torch.stack(outputs, dim=1), state
+
+
+def chunk_kda(q, k, v, g, beta, initial_state=None, chunk_size: int = 64):
+    """Chunked KDA: the WY form of architecture.md §2.3 step 7, equal to `recurrent_kda` up to rounding.
+
+    The intra-chunk decay is always evaluated as the single exponent of a difference e^{γ_r−γ_s}: the factored
+    e^{γ_r}·e^{−γ_s} overflows fp32 once γ reaches about −88 inside a chunk (γ can reach −320 with lb = −5).
+    Padding the tail with k = v = g = β = 0 leaves the state untouched, so any length works.
+    """
+    batch_size, seq_len, num_heads, k_dim = k.shape
+    pad = (-seq_len) % chunk_size
+    q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
+    beta = F.pad(beta, (0, 0, 0, pad))
+    # -> [B, H, N, C, D]
+    q, k, v, g = (x.transpose(1, 2).unflatten(2, (-1, chunk_size)) for x in (q, k, v, g))
+    beta = beta.transpose(1, 2).unflatten(2, (-1, chunk_size))
+    state = (
+        q.new_zeros(batch_size, num_heads, k_dim, v.shape[-1]) if initial_state is None else initial_state.float()
+    )
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    eye = torch.eye(chunk_size, dtype=q.dtype, device=q.device)
+    outputs = []
+    for n in range(q.shape[2]):
+        q_n, k_n, v_n, beta_n = q[:, :, n], k[:, :, n], v[:, :, n], beta[:, :, n]
+        gamma = g[:, :, n].cumsum(-2)
+        decay = (gamma[..., :, None, :] - gamma[..., None, :, :]).masked_fill(~causal[..., None], float("-inf")).exp()
+        key_key = torch.einsum("bhrc,bhsc,bhrsc->bhrs", k_n, k_n, decay)
+        lower = (beta_n[..., None] * key_key).tril(-1)
+        # T = (I + L)^-1 by forward substitution on the unit lower-triangular system.
+        transform = torch.linalg.solve_triangular(eye + lower, eye.expand_as(lower), upper=False, unitriangular=True)
+        u = transform @ (beta_n[..., None] * v_n)
+        w = transform @ (beta_n[..., None] * k_n * gamma.exp())
+        new_values = u - w @ state
+        query_key = torch.einsum("bhrc,bhsc,bhrsc->bhrs", q_n, k_n, decay)
+        outputs.append((q_n * gamma.exp()) @ state + query_key @ new_values)
+        last = gamma[..., -1:, :]
+        state = state * last.transpose(-1, -2).exp() + (k_n * (last - gamma).exp()).transpose(-1, -2) @ new_values
+    output = torch.stack(outputs, dim=2).flatten(2, 3)[:, :, :seq_len].transpose(1, 2)
+    return output, state
+
+
+class KimiK3DeltaAttention(nn.Module):
+    """Kimi Delta Attention with K3's lower-bounded sigmoid decay and full-rank output gate (architecture.md §2.3)."""
+
+    def __init__(self, config: KimiK3Config, layer_idx: int):
+        super().__init__()
+        linear_cfg = config.linear_attn_config
+        self.layer_idx = layer_idx
+        self.num_heads = linear_cfg["num_heads"]
+        self.head_dim = linear_cfg["head_dim"]
+        self.conv_kernel_size = linear_cfg["short_conv_kernel_size"]
+        self.gate_lower_bound = float(linear_cfg["gate_lower_bound"])
+        projection_size = self.num_heads * self.head_dim
+        hidden_size = config.hidden_size
+
+        self.q_proj = nn.Linear(hidden_size, projection_size, bias=False)
+        self.k_proj = nn.Linear(hidden_size, projection_size, bias=False)
+        self.v_proj = nn.Linear(hidden_size, projection_size, bias=False)
+        self.q_conv1d = self._short_conv(projection_size)
+        self.k_conv1d = self._short_conv(projection_size)
+        self.v_conv1d = self._short_conv(projection_size)
+        self.f_a_proj = nn.Linear(hidden_size, self.head_dim, bias=False)
+        self.f_b_proj = nn.Linear(self.head_dim, projection_size, bias=False)
+        self.A_log = nn.Parameter(torch.empty(self.num_heads))
+        self.dt_bias = nn.Parameter(torch.empty(projection_size))
+        self.b_proj = nn.Linear(hidden_size, self.num_heads, bias=False)
+        self.g_proj = nn.Linear(hidden_size, projection_size, bias=False)
+        self.o_norm = KimiK3GatedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(projection_size, hidden_size, bias=False)
+
+    def _short_conv(self, channels: int) -> nn.Conv1d:
+        return nn.Conv1d(channels, channels, self.conv_kernel_size, groups=channels, bias=False)
+
+    def _causal_conv(self, x: torch.Tensor, conv: nn.Conv1d, cache: Cache | None, state_idx: int) -> torch.Tensor:
+        """Depthwise causal conv + SiLU (always SiLU, not ``hidden_act``), continuing from the cached left context."""
+        seq_len = x.shape[1]
+        x = x.transpose(1, 2)
+        if cache is not None:
+            x = cache.update_conv_state(
+                x, self.layer_idx, state_idx=state_idx, conv_kernel_size=self.conv_kernel_size
+            )
+        x = F.pad(x.to(conv.weight.dtype), (self.conv_kernel_size - 1, 0))
+        out = F.silu(F.conv1d(x, conv.weight, groups=x.shape[1]))[..., -seq_len:]
+        return out.transpose(1, 2)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        batch_size, seq_len, _ = hidden_states.shape
+        if attention_mask is not None:
+            # Padding must not reach the short convolutions of real tokens (architecture.md §2.3 step 9).
+            hidden_states = hidden_states * attention_mask[..., None].to(hidden_states.dtype)
+        head_shape = (batch_size, seq_len, self.num_heads, self.head_dim)
+        previous_state = past_key_values.get_recurrent_state(self.layer_idx) if past_key_values is not None else None
+
+        q = self._causal_conv(self.q_proj(hidden_states), self.q_conv1d, past_key_values, 0).reshape(head_shape)
+        k = self._causal_conv(self.k_proj(hidden_states), self.k_conv1d, past_key_values, 1).reshape(head_shape)
+        v = self._causal_conv(self.v_proj(hidden_states), self.v_conv1d, past_key_values, 2).reshape(head_shape)
+        g = kda_decay_gate(self.f_b_proj(self.f_a_proj(hidden_states)), self.A_log, self.dt_bias, self.gate_lower_bound)
+        beta = torch.sigmoid(self.b_proj(hidden_states).float())
+        if attention_mask is not None:
+            # A padded position neither decays nor writes the state: it is an exact no-op on the recurrence.
+            valid = attention_mask.to(torch.float32)
+            g = g * valid[..., None, None]
+            beta = beta * valid[..., None]
+
+        q = l2_normalize(q.float()) * self.head_dim**-0.5
+        k = l2_normalize(k.float())
+        kernel = recurrent_kda if previous_state is not None and seq_len == 1 else chunk_kda
+        core, final_state = kernel(q, k, v.float(), g, beta, initial_state=previous_state)
+        if past_key_values is not None:
+            past_key_values.update_recurrent_state(final_state, self.layer_idx)
+
+        gate = self.g_proj(hidden_states).reshape(head_shape)
+        output = self.o_norm(core, gate).reshape(batch_size, seq_len, -1)
+        return self.o_proj(output), None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Gated MLA (architecture.md §2.4)
+# ---------------------------------------------------------------------------------------------------------------------
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference attention: scores in the working dtype, softmax in fp32 (architecture.md §2.4 step 4)."""
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask[:, :, :, : key.shape[-2]]
+    weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    output = torch.matmul(weights, value).transpose(1, 2).contiguous()
+    return output, weights
+
+
+class KimiK3MLAAttention(nn.Module):
+    """Multi-head Latent Attention with NoPE and a sigmoid output gate.
+
+    The 64 "rope" dimensions are extra, never-rotated content channels (architecture.md §2.4 step 3). The cache holds
+    the compressed latent (normed c_kv and the shared k_r); decoding steps attend in the absorbed form, where
+    ``kv_b_proj`` is folded into the query and the output instead of expanding every cached token.
+    """
+
+    def __init__(self, config: KimiK3Config, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.qk_nope_head_dim = config.qk_nope_head_dim
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.v_head_dim = config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.q_lora_rank = config.q_lora_rank
+        self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        self.scaling = self.qk_head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        self.num_key_value_groups = 1
+        hidden_size = config.hidden_size
+
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden_size, self.num_heads * self.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden_size, self.q_lora_rank, bias=False)
+            self.q_a_layernorm = KimiK3RMSNorm(self.q_lora_rank)  # eps 1e-6, as released (architecture.md §2.0)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden_size, self.kv_lora_rank + self.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = KimiK3RMSNorm(self.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(
+            self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
+        )
+        self.g_proj = (
+            nn.Linear(hidden_size, self.num_heads * self.v_head_dim, bias=False)
+            if config.mla_use_output_gate
+            else None
+        )
+        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, hidden_size, bias=False)
+        self.register_buffer("attn_logit_max", torch.full((self.num_heads,), float("-inf")), persistent=False)
+
+    def project_queries(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.q_lora_rank is None:
+            queries = self.q_proj(hidden_states)
+        else:
+            queries = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        return queries.unflatten(-1, (self.num_heads, self.qk_head_dim)).transpose(1, 2)
+
+    def compress_key_values(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-token latent the cache stores: normed c_kv [B, 1, T, kv_lora] and shared k_r [B, 1, T, rope]."""
+        latent, shared_key = self.kv_a_proj_with_mqa(hidden_states).split(
+            [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
+        )
+        return self.kv_a_layernorm(latent).unsqueeze(1), shared_key.unsqueeze(1)
+
+    def expand_key_values(self, latent: torch.Tensor, shared_key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full keys [B, H, S, nope+rope] (k_r broadcast to every head, unrotated) and values [B, H, S, v]."""
+        key_values = self.kv_b_proj(latent.squeeze(1))
+        key_values = key_values.unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
+        key_nope, values = key_values.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        shared_key = shared_key.expand(-1, self.num_heads, -1, -1)
+        return torch.cat([key_nope, shared_key], dim=-1), values
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj split per head into its key part [H, nope, kv_lora] and value part [H, v, kv_lora]."""
+        weight = self.kv_b_proj.weight.unflatten(0, (self.num_heads, -1))
+        return weight.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        past_key_values: Cache | None = None,
+        token_mask: torch.Tensor | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batch_size, seq_len, _ = hidden_states.shape
+        queries = self.project_queries(hidden_states)
+        latent, shared_key = self.compress_key_values(hidden_states)
+        if past_key_values is not None:
+            latent, shared_key = past_key_values.update(latent, shared_key, self.layer_idx)
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attend = self._attend_absorbed if latent.shape[2] > seq_len else self._attend_expanded
+        attn_output, attn_weights = attend(attention_interface, queries, latent, shared_key, attention_mask, token_mask, **kwargs)
+        attn_output = attn_output.reshape(batch_size, seq_len, -1)
+        if self.g_proj is not None:
+            # The gate reads the normed layer input, not the attention output (training.md §4).
+            attn_output = attn_output * torch.sigmoid(self.g_proj(hidden_states))
+        return self.o_proj(attn_output), attn_weights
+
+    def _attend_expanded(self, attention_interface, queries, latent, shared_key, attention_mask, token_mask, **kwargs):
+        keys, values = self.expand_key_values(latent, shared_key)
+        if self.config.record_attn_logit_max and self.training and torch.is_grad_enabled():
+            self._record_logit_max(queries, keys, token_mask)
+        return attention_interface(
+            self,
+            queries,
+            keys,
+            values,
+            attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            **kwargs,
+        )
+
+    def _attend_absorbed(self, attention_interface, queries, latent, shared_key, attention_mask, token_mask, **kwargs):
+        """Attention over the cached latent: q·k_nope = (W_ukᵀ q)·c_kv, and W_uv is applied after the softmax."""
+        key_weight, value_weight = self.absorbed_weights()
+        query_nope, query_rope = queries.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        absorbed_query = torch.cat([torch.einsum("bhtn,hnc->bhtc", query_nope, key_weight), query_rope], dim=-1)
+        keys = torch.cat([latent, shared_key], dim=-1).expand(-1, self.num_heads, -1, -1)
+        values = latent.expand(-1, self.num_heads, -1, -1)
+        latent_output, attn_weights = attention_interface(
+            self, absorbed_query, keys, values, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
+        )
+        return torch.einsum("bthc,hvc->bthv", latent_output, value_weight), attn_weights
+
+    @torch.no_grad()
+    def _record_logit_max(self, queries: torch.Tensor, keys: torch.Tensor, token_mask: torch.Tensor | None) -> None:
+        """Per-head running max of the pre-softmax logits over causal, non-padding pairs (QK-Clip, training.md §2.5)."""
+        logits = torch.matmul(queries.float(), keys.float().transpose(2, 3)) * self.scaling
+        query_len, key_len = logits.shape[-2:]
+        allowed = torch.ones(query_len, key_len, dtype=torch.bool, device=logits.device).tril(key_len - query_len)
+        allowed = allowed.expand(logits.shape[0], 1, -1, -1)
+        if token_mask is not None:
+            valid_keys = token_mask.view(logits.shape[0], -1)[:, -key_len:]
+            allowed = allowed & valid_keys[:, None, None, :]
+        head_max = logits.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3))
+        torch.maximum(self.attn_logit_max, head_max, out=self.attn_logit_max)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Block Attention Residuals (architecture.md §2.2)
+# ---------------------------------------------------------------------------------------------------------------------
+def block_attention_residual(
+    partial: torch.Tensor, blocks: list[torch.Tensor], proj: nn.Linear, norm: KimiK3RMSNorm
+) -> torch.Tensor:
+    """Softmax mix of the block snapshots and the running partial sum, keyed by a weightless RMS, in fp32.
+
+    The pseudo-query is ``norm.weight ⊙ proj.weight[0]``; the mix is over the raw (un-normalised) values.
+    """
+    values = torch.stack([*blocks, partial], dim=-2).float()
+    keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    pseudo_query = norm.weight.float() * proj.weight[0].float()
+    mix = torch.softmax(keys @ pseudo_query, dim=-1)
+    return (mix.unsqueeze(-1) * values).sum(-2).to(partial.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Stable LatentMoE (architecture.md §2.6, training.md §1.1)
+# ---------------------------------------------------------------------------------------------------------------------
+class KimiK3TopkRouter(nn.Module):
+    """Sigmoid router whose fp32 bias only picks experts; the weights come from the bias-free scores.
+
+    In training forwards it *records* what balancing policies need — per-expert token counts and, for Quantile
+    Balancing, the required bias r = α − s of every valid token (training.md §1.4) — and nothing else: the
+    policies that turn these statistics into bias updates live outside the model.
+    """
+
+    def __init__(self, config: KimiK3Config):
+        super().__init__()
+        self.top_k = config.num_experts_per_token
+        self.num_experts = config.num_experts
+        self.score_function = config.moe_router_activation_func
+        self.renormalize = config.moe_renormalize
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.quantile_balancing = config.router_balancing == "quantile_balancing"
+        self.exact_quantiles = config.qb_estimator == "exact"
+        self.num_bins = config.qb_num_bins
+        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+        self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.int64), persistent=False)
+        if self.quantile_balancing:
+            self.register_buffer(
+                "qb_histogram", torch.zeros(self.num_experts, self.num_bins, dtype=torch.int64), persistent=False
+            )
+        self.qb_required_bias: list[torch.Tensor] = []
+
+    def forward(
+        self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns router logits [N, n], routing weights [N, k] (fp32) and expert indices [N, k]."""
+        logits = F.linear(hidden_states.float(), self.weight.float())
+        scores = logits.sigmoid() if self.score_function == "sigmoid" else logits.softmax(-1)
+        recording = self.training and torch.is_grad_enabled()
+        with torch.no_grad():
+            choice = scores + self.e_score_correction_bias
+            use_cutoff = recording and self.quantile_balancing
+            # Top-(k+1) in training with QB: the first k are the routes, the (k+1)-th value is the cutoff α.
+            top_values, top_indices = torch.topk(choice, self.top_k + int(use_cutoff), dim=-1, sorted=use_cutoff)
+        expert_indices = top_indices[:, : self.top_k]
+        weights = scores.gather(1, expert_indices)
+        if self.renormalize and self.top_k > 1:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        weights = weights * self.routed_scaling_factor
+        if recording:
+            cutoff = top_values[:, self.top_k] if use_cutoff else None
+            self._record(scores.detach(), expert_indices, cutoff, token_mask)
+        return logits, weights, expert_indices
+
+    @torch.no_grad()
+    def _record(self, scores, expert_indices, cutoff, token_mask) -> None:
+        if token_mask is not None:
+            scores, expert_indices = scores[token_mask], expert_indices[token_mask]
+            cutoff = cutoff[token_mask] if cutoff is not None else None
+        self.tokens_per_expert += torch.bincount(expert_indices.reshape(-1), minlength=self.num_experts)
+        if cutoff is None:
+            return
+        required_bias = cutoff[:, None] - scores
+        if self.exact_quantiles:
+            self.qb_required_bias.append(required_bias)
+        else:
+            self.qb_histogram += self.required_bias_histogram(required_bias)
+
+    def histogram_range(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Lower edge and bin width of the required-bias histogram: [b_min − 1, b_max + 1] in B bins (§1.4)."""
+        bias = self.e_score_correction_bias
+        low = bias.min() - 1
+        return low, (bias.max() + 1 - low) / self.num_bins
+
+    def required_bias_histogram(self, required_bias: torch.Tensor) -> torch.Tensor:
+        """Per-expert counts [n, B] of the required biases [N, n] of one batch."""
+        low, width = self.histogram_range()
+        bins = ((required_bias - low) / width).floor().clamp_(0, self.num_bins - 1).long()
+        bins += torch.arange(self.num_experts, device=bins.device) * self.num_bins
+        counts = torch.bincount(bins.reshape(-1), minlength=self.num_experts * self.num_bins)
+        return counts.view(self.num_experts, self.num_bins)
+
+    def reset_statistics(self) -> None:
+        self.tokens_per_expert.zero_()
+        if self.quantile_balancing:
+            self.qb_histogram.zero_()
+        self.qb_required_bias.clear()
+
+
+@use_experts_implementation
+class KimiK3Experts(nn.Module):
+    """Routed SiTU-GLU experts in the latent space, fused into 3-D tensors for transformers' experts backends.
+
+    ``gate_up_proj[e]`` stacks the released ``experts.{e}.w1`` (gate) over ``w3`` (up); ``down_proj[e]`` is ``w2``.
+    The per-expert loop below is the reference (``experts_implementation="eager"``); it combines in fp32.
+    """
+
+    def __init__(self, config: KimiK3Config):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.hidden_dim = config.routed_expert_hidden_size or config.hidden_size
+        self.intermediate_dim = config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
+        self.glu = KimiK3GLUActivation(config)
+
+    def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up_out.chunk(2, dim=-1)
+        return self.glu(gate, up)
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        combined = hidden_states.new_zeros(hidden_states.shape, dtype=torch.float32)
+        for expert in top_k_index.unique().tolist():
+            token_idx, slot = torch.where(top_k_index == expert)
+            expert_out = F.linear(hidden_states[token_idx], self.gate_up_proj[expert])
+            expert_out = F.linear(self._apply_gate(expert_out), self.down_proj[expert])
+            combined.index_add_(0, token_idx, expert_out.float() * top_k_weights[token_idx, slot, None])
+        return combined.to(hidden_states.dtype)
+
+
+class KimiK3SparseMoeBlock(nn.Module):
+    """Stable LatentMoE: y = shared(x) + W↑·RMSNorm(Σ p_i E_i(W↓x)) (report Eq. 11, architecture.md §2.6)."""
+
+    def __init__(self, config: KimiK3Config):
+        super().__init__()
+        latent_size = config.routed_expert_hidden_size
+        self.gate = KimiK3TopkRouter(config)
+        if latent_size is not None:
+            self.routed_expert_down_proj = nn.Linear(config.hidden_size, latent_size, bias=False)
+            self.routed_expert_up_proj = nn.Linear(latent_size, config.hidden_size, bias=False)
+        else:
+            self.routed_expert_down_proj = self.routed_expert_up_proj = nn.Identity()
+        self.experts = KimiK3Experts(config)
+        self.routed_expert_norm = (
+            KimiK3RMSNorm(latent_size or config.hidden_size, eps=config.rms_norm_eps)
+            if config.latent_moe_use_norm
+            else nn.Identity()
+        )
+        self.shared_experts = (
+            KimiK3MLP(config, intermediate_size=config.moe_intermediate_size * config.num_shared_experts)
+            if config.num_shared_experts > 0
+            else None
+        )
+
+    def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+        _, routing_weights, expert_indices = self.gate(tokens, token_mask)
+        latent = self.experts(self.routed_expert_down_proj(tokens), expert_indices, routing_weights)
+        routed = self.routed_expert_up_proj(self.routed_expert_norm(latent)).view_as(hidden_states)
+        if self.shared_experts is None:
+            return routed
+        return routed + self.shared_experts(hidden_states)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Decoder layer and models (architecture.md §2.1-2.2)
+# ---------------------------------------------------------------------------------------------------------------------
+class KimiK3DecoderLayer(GradientCheckpointingLayer):
+    """One K3 layer on the (partial sum, block bank) state of Block Attention Residuals (architecture.md §2.2)."""
+
+    def __init__(self, config: KimiK3Config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.layer_type = config.layer_types[layer_idx]
+        self.attn_res_block_size = config.attn_res_block_size
+        hidden_size, eps = config.hidden_size, config.rms_norm_eps
+        if self.layer_type == "linear_attention":
+            self.self_attn = KimiK3DeltaAttention(config, layer_idx)
+        else:
+            self.self_attn = KimiK3MLAAttention(config, layer_idx)
+        if config.mlp_layer_types[layer_idx] == "sparse":
+            self.block_sparse_moe = KimiK3SparseMoeBlock(config)
+        else:
+            self.mlp = KimiK3MLP(config)
+        self.input_layernorm = KimiK3RMSNorm(hidden_size, eps=eps)
+        self.post_attention_layernorm = KimiK3RMSNorm(hidden_size, eps=eps)
+        if self.attn_res_block_size is not None:
+            self.self_attention_res_proj = nn.Linear(hidden_size, 1, bias=False)
+            self.self_attention_res_norm = KimiK3RMSNorm(hidden_size, eps=eps)
+            self.mlp_res_proj = nn.Linear(hidden_size, 1, bias=False)
+            self.mlp_res_norm = KimiK3RMSNorm(hidden_size, eps=eps)
+
+    def feed_forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        if hasattr(self, "block_sparse_moe"):
+            return self.block_sparse_moe(hidden_states, token_mask)
+        return self.mlp(hidden_states)
+
+    def forward(
+        self,
+        partial: torch.Tensor,
+        blocks: list[torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if self.attn_res_block_size is None:
+            # Plain pre-norm residual stream (no AttnRes); `partial` is then the hidden state.
+            mixed, _ = self.self_attn(
+                self.input_layernorm(partial), attention_mask, past_key_values=past_key_values, token_mask=token_mask, **kwargs
+            )
+            hidden_states = partial + mixed
+            return hidden_states + self.feed_forward(hidden_states, token_mask), blocks
+
+        mixer_input = (
+            block_attention_residual(partial, blocks, self.self_attention_res_proj, self.self_attention_res_norm)
+            if blocks
+            else partial
+        )
+        starts_block = self.layer_idx % self.attn_res_block_size == 0
+        if starts_block:
+            blocks = [*blocks, partial]
+        mixed, _ = self.self_attn(
+            self.input_layernorm(mixer_input), attention_mask, past_key_values=past_key_values, token_mask=token_mask, **kwargs
+        )
+        partial = mixed if starts_block else partial + mixed
+        ffn_input = block_attention_residual(partial, blocks, self.mlp_res_proj, self.mlp_res_norm)
+        return partial + self.feed_forward(ffn_input, token_mask), blocks
+
+
+class KimiK3PreTrainedModel(PreTrainedModel):
+    config: KimiK3Config
+    config_class = KimiK3Config
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["KimiK3DecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+    _supports_flash_attn = False
+    _is_stateful = True
+    _keep_in_fp32_modules_strict = [
+        "A_log", "dt_bias", "q_conv1d", "k_conv1d", "v_conv1d", "o_norm", "e_score_correction_bias"
+    ]
+    _keys_to_ignore_on_load_unexpected = [r"^vision_tower\.", r"^mm_projector\."]
+    _can_record_outputs = {
+        "router_logits": OutputRecorder(KimiK3TopkRouter, index=0),
+        "hidden_states": OutputRecorder(KimiK3DecoderLayer, index=0),
+        "attentions": OutputRecorder(KimiK3MLAAttention, index=1),
+    }
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        std = self.config.initializer_range
+        if isinstance(module, KimiK3DeltaAttention):
+            # Kimi Linear / FLA initialisation: A ~ U(1, 16) per head, dt ~ logU(1e-3, 1e-1) through softplus⁻¹.
+            init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(1.0, 16.0).log())
+            dt = torch.empty_like(module.dt_bias).uniform_(torch.tensor(1e-3).log().item(), torch.tensor(1e-1).log().item())
+            dt = dt.exp().clamp_min(1e-4)
+            init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))
+        elif isinstance(module, (KimiK3RMSNorm, KimiK3GatedRMSNorm)):
+            init.ones_(module.weight)
+        elif isinstance(module, KimiK3MLAAttention):
+            init.constant_(module.attn_logit_max, float("-inf"))
+        elif isinstance(module, KimiK3TopkRouter):
+            init.normal_(module.weight, mean=0.0, std=std)
+            init.zeros_(module.e_score_correction_bias)
+            init.zeros_(module.tokens_per_expert)
+            if module.quantile_balancing:
+                init.zeros_(module.qb_histogram)
+        elif isinstance(module, KimiK3Experts):
+            init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            init.normal_(module.down_proj, mean=0.0, std=std)
+        elif isinstance(module, KimiK3DecoderLayer) and module.attn_res_block_size is not None:
+            # Zero pseudo-queries: every AttnRes mix starts uniform (Attention Residuals paper).
+            init.zeros_(module.self_attention_res_proj.weight)
+            init.zeros_(module.mlp_res_proj.weight)
+        elif isinstance(module, KimiK3Model) and module.output_attn_res_proj is not None:
+            init.zeros_(module.output_attn_res_proj.weight)
+
+
+class KimiK3Model(KimiK3PreTrainedModel):
+    def __init__(self, config: KimiK3Config):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [KimiK3DecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        if config.attn_res_block_size is not None:
+            self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
+            self.output_attn_res_norm = KimiK3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        else:
+            self.output_attn_res_proj = self.output_attn_res_norm = None
+        self.norm = KimiK3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> MoeModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
+        if inputs_embeds is None:
+            self._check_input_ids(input_ids)
+            inputs_embeds = self.embed_tokens(input_ids)
+        if inputs_embeds.ndim != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
+            raise ValueError(
+                f"`inputs_embeds` must have shape [batch, seq_len, {self.config.hidden_size}], "
+                f"got {tuple(inputs_embeds.shape)}."
+            )
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        self._check_lengths(inputs_embeds, attention_mask, past_key_values, past_length)
+        if position_ids is None:
+            position_ids = torch.arange(
+                past_length, past_length + inputs_embeds.shape[1], device=inputs_embeds.device
+            ).unsqueeze(0)
+
+        mask_kwargs = {
+            "config": self.config,
+            "inputs_embeds": inputs_embeds,
+            "attention_mask": attention_mask,
+            "past_key_values": past_key_values,
+            "position_ids": position_ids,
+        }
+        masks = {
+            "full_attention": create_causal_mask(**mask_kwargs),
+            "linear_attention": create_recurrent_attention_mask(**mask_kwargs),
+        }
+        token_mask = None
+        if attention_mask is not None and attention_mask.ndim == 2:
+            token_mask = attention_mask[:, -inputs_embeds.shape[1] :].bool().reshape(-1)
+
+        partial, blocks = inputs_embeds, []
+        for decoder_layer in self.layers:
+            partial, blocks = decoder_layer(
+                partial,
+                blocks,
+                attention_mask=masks[decoder_layer.layer_type],
+                token_mask=token_mask,
+                past_key_values=past_key_values,
+                **kwargs,
+            )
+        hidden_states = partial
+        if self.output_attn_res_proj is not None:
+            hidden_states = block_attention_residual(partial, blocks, self.output_attn_res_proj, self.output_attn_res_norm)
+        return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+
+    def _check_input_ids(self, input_ids: torch.Tensor) -> None:
+        if input_ids.ndim != 2 or input_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"`input_ids` must be an integer tensor of shape [batch, seq_len], got dtype {input_ids.dtype} "
+                f"and shape {tuple(input_ids.shape)}."
+            )
+        if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= self.config.vocab_size):
+            raise ValueError(
+                f"`input_ids` must lie in [0, vocab_size={self.config.vocab_size}), "
+                f"got values in [{int(input_ids.min())}, {int(input_ids.max())}]."
+            )
+
+    def _check_lengths(self, inputs_embeds, attention_mask, past_key_values, past_length) -> None:
+        batch_size, seq_len = inputs_embeds.shape[:2]
+        if past_length + seq_len > self.config.max_position_embeddings:
+            raise ValueError(
+                f"Sequence length {past_length + seq_len} (cached {past_length} + new {seq_len}) exceeds "
+                f"`max_position_embeddings`={self.config.max_position_embeddings}."
+            )
+        if attention_mask is not None and attention_mask.ndim == 2:
+            if tuple(attention_mask.shape) != (batch_size, past_length + seq_len):
+                raise ValueError(
+                    f"`attention_mask` must have shape [batch={batch_size}, cached+new={past_length + seq_len}], "
+                    f"got {tuple(attention_mask.shape)}."
+                )
+        cached_batch = _cache_batch_size(past_key_values)
+        if cached_batch is not None and cached_batch != batch_size:
+            raise ValueError(
+                f"`past_key_values` holds a batch of {cached_batch} sequences but the input has {batch_size}; "
+                "pass the cache returned for this batch (or `reorder_cache` it)."
+            )
+
+
+def _cache_batch_size(cache: Cache | None) -> int | None:
+    if cache is None:
+        return None
+    for layer in getattr(cache, "layers", []):
+        keys = getattr(layer, "keys", None)
+        if isinstance(keys, torch.Tensor) and keys.numel():
+            return keys.shape[0]
+    return None
+
+
+class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: KimiK3Config):
+        super().__init__(config)
+        self.model = KimiK3Model(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> MoeCausalLMOutputWithPast:
+        outputs: MoeModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return MoeCausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            router_logits=outputs.router_logits,
+        )
+
+
+def _released_expert_layout() -> list[WeightConverter]:
+    """Released per-expert ``experts.{e}.w1/w3/w2.weight`` <-> fused 3-D ``gate_up_proj``/``down_proj``."""
+    return [
+        WeightConverter(
+            source_patterns=[r"block_sparse_moe\.experts.*.w1.weight", r"block_sparse_moe\.experts.*.w3.weight"],
+            target_patterns=r"block_sparse_moe.experts.gate_up_proj",
+            operations=[MergeModulelist(dim=0), Concatenate(dim=1)],
+        ),
+        WeightConverter(
+            source_patterns=r"block_sparse_moe\.experts.*.w2.weight",
+            target_patterns=r"block_sparse_moe.experts.down_proj",
+            operations=[MergeModulelist(dim=0)],
+        ),
+    ]
+
+
+# Registered under our own class names (never a native model type); `overwrite` because this file can be executed
+# twice in one process (installed module and a `transformers_modules` copy).
+for _class_name in ("KimiK3ForCausalLM", "KimiK3Model"):
+    register_checkpoint_conversion_mapping(_class_name, _released_expert_layout(), overwrite=True)
+
+KimiK3Model.register_for_auto_class("AutoModel")
+KimiK3ForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+
+def register_auto_classes() -> None:
+    """Make ``AutoConfig``/``AutoModel``/``AutoModelForCausalLM`` resolve ``model_type="kimi_k3"`` without remote code."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    AutoConfig.register(KimiK3Config.model_type, KimiK3Config, exist_ok=True)
+    AutoModel.register(KimiK3Config, KimiK3Model, exist_ok=True)
+    AutoModelForCausalLM.register(KimiK3Config, KimiK3ForCausalLM, exist_ok=True)
+
+
+__all__ = ["KimiK3PreTrainedModel", "KimiK3Model", "KimiK3ForCausalLM", "register_auto_classes"]
