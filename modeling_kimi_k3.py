@@ -130,16 +130,17 @@ def kda_decay_gate(
     It replaces Kimi Linear's −exp(A)·softplus(f + dt_bias); it is not a clamp of it.
     """
     num_heads = A_log.shape[0]
-    gate_input = gate_input.float().unflatten(-1, (num_heads, -1))
-    dt_bias = dt_bias.float().view(num_heads, -1)
-    return lower_bound * torch.sigmoid(A_log.float().exp()[:, None] * (gate_input + dt_bias))
+    dtype = torch.promote_types(gate_input.dtype, torch.float32)
+    gate_input = gate_input.to(dtype).unflatten(-1, (num_heads, -1))
+    dt_bias = dt_bias.to(dtype).view(num_heads, -1)
+    return lower_bound * torch.sigmoid(A_log.to(dtype).exp()[:, None] * (gate_input + dt_bias))
 
 
 def recurrent_kda(q, k, v, g, beta, initial_state=None):
     """Token-by-token delta rule with per-channel decay (architecture.md §2.3 step 6); used for decoding."""
     batch_size, seq_len, num_heads, k_dim = k.shape
     state = (
-        q.new_zeros(batch_size, num_heads, k_dim, v.shape[-1]) if initial_state is None else initial_state.float()
+        q.new_zeros(batch_size, num_heads, k_dim, v.shape[-1]) if initial_state is None else initial_state.to(q.dtype)
     )
     outputs = []
     for t in range(seq_len):
@@ -166,7 +167,7 @@ def chunk_kda(q, k, v, g, beta, initial_state=None, chunk_size: int = 64):
     q, k, v, g = (x.transpose(1, 2).unflatten(2, (-1, chunk_size)) for x in (q, k, v, g))
     beta = beta.transpose(1, 2).unflatten(2, (-1, chunk_size))
     state = (
-        q.new_zeros(batch_size, num_heads, k_dim, v.shape[-1]) if initial_state is None else initial_state.float()
+        q.new_zeros(batch_size, num_heads, k_dim, v.shape[-1]) if initial_state is None else initial_state.to(q.dtype)
     )
     causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
     eye = torch.eye(chunk_size, dtype=q.dtype, device=q.device)
