@@ -2,20 +2,33 @@
 
 The file follows architecture.md §2 top-down: norms and SiTU, KDA kernels and layer, Gated MLA, Block Attention
 Residuals, router, experts, LatentMoE block, decoder layer, model. Attribute names are the released checkpoint's
-state-dict names (architecture.md §3.1). The file imports only torch, transformers and its configuration sibling, so
-it can be copied into a checkpoint folder and loaded with ``trust_remote_code=True``.
+state-dict names (architecture.md §3.1). The file imports only torch, transformers (with its safetensors dependency)
+and its configuration sibling, so it can be copied into a checkpoint folder and loaded with ``trust_remote_code=True``.
 """
 
+import math
+import re
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+from transformers.core_model_loading import (
+    Concatenate,
+    ConversionOps,
+    MergeModulelist,
+    PrefixChange,
+    WeightConverter,
+)
 from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
@@ -37,6 +50,11 @@ logger = logging.get_logger(__name__)
 # ---------------------------------------------------------------------------------------------------------------------
 # Norms and activations (architecture.md §2.0, §2.5)
 # ---------------------------------------------------------------------------------------------------------------------
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """At least fp32: the precision-critical paths run in fp32 for bf16 models and stay exact for fp64 references."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class KimiK3RMSNorm(nn.Module):
     """RMSNorm computed in fp32, cast back to the input dtype *before* the weight multiply (architecture.md §2.0)."""
 
@@ -47,7 +65,7 @@ class KimiK3RMSNorm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.float()
+        hidden_states = upcast(hidden_states)
         hidden_states = hidden_states * torch.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return self.weight * hidden_states.to(input_dtype)
 
@@ -65,9 +83,9 @@ class KimiK3GatedRMSNorm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         input_dtype = gate.dtype
-        hidden_states = hidden_states.float()
+        hidden_states = upcast(hidden_states)
         hidden_states = hidden_states * torch.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return (self.weight.float() * hidden_states * torch.sigmoid(gate.float())).to(input_dtype)
+        return (upcast(self.weight) * hidden_states * torch.sigmoid(upcast(gate))).to(input_dtype)
 
 
 def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
@@ -75,10 +93,10 @@ def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta:
 
     ``linear_beta=None`` leaves the up branch uncapped, as the released code does when the field is missing.
     """
-    gate32, up32 = gate.float(), up.float()
-    activated_gate = beta * torch.tanh(gate32 / beta) * torch.sigmoid(gate32)
-    capped_up = up32 if linear_beta is None else linear_beta * torch.tanh(up32 / linear_beta)
-    return (activated_gate * capped_up).to(gate.dtype)
+    gate, up, dtype = upcast(gate), upcast(up), gate.dtype
+    activated_gate = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
+    capped_up = up if linear_beta is None else linear_beta * torch.tanh(up / linear_beta)
+    return (activated_gate * capped_up).to(dtype)
 
 
 class KimiK3GLUActivation(nn.Module):
@@ -152,43 +170,87 @@ def recurrent_kda(q, k, v, g, beta, initial_state=None):
     return torch.stack(outputs, dim=1), state
 
 
-def chunk_kda(q, k, v, g, beta, initial_state=None, chunk_size: int = 64):
+# Sub-chunk factors reach e^{(S−1)|lb|}; staying this many nats below the dtype's overflow leaves room for the
+# head_dim-term sums of the masked-out entries (fp32: e^{80} ≈ 5.5e34 against a maximum of ≈ 3.4e38).
+_SUB_CHUNK_OVERFLOW_MARGIN = 8.0
+
+
+def kda_sub_chunk_size(chunk_size: int, gate_lower_bound: float | None, dtype: torch.dtype) -> int:
+    """Largest divisor S of the chunk whose in-sub-chunk decay range e^{(S−1)|lb|} is finite in ``dtype``.
+
+    Unknown bound: S = 1, and every decay is the exponent of a difference (the form that is safe for any g ≤ 0).
+    """
+    if gate_lower_bound is None:
+        return 1
+    budget = math.log(torch.finfo(dtype).max) - _SUB_CHUNK_OVERFLOW_MARGIN
+    fits = (size for size in range(chunk_size, 0, -1) if chunk_size % size == 0)
+    return next(size for size in fits if (size - 1) * abs(gate_lower_bound) <= budget)
+
+
+def kda_intra_chunk_scores(q, k, gamma, sub_chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decayed scores of every chunk against itself, as matmuls: [..., C, D] inputs -> [..., C, C] outputs.
+
+    A_qk[r, s] = Σ_c q_rc k_sc e^{γ_rc−γ_sc} for s ≤ r, and A_kk the same with k_r for s < r. With a_i the first and
+    z_j the last γ of the sub-chunks i ∋ r and j ∋ s, e^{γ_r−γ_s} = e^{γ_r−a_i} · e^{a_i−z_j} · e^{z_j−γ_s}: the
+    outer exponents are ≤ 0, the bridge a_i − z_j is ≤ 0 for j < i and at most (S−1)|lb| for j = i. Never
+    e^{γ_r}·e^{−γ_s} over a whole chunk: γ reaches −320 with lb = −5 (architecture.md §2.3 step 7).
+    """
+    chunk_size = k.shape[-2]
+    num_sub = chunk_size // sub_chunk_size
+    q, k, gamma = (x.unflatten(-2, (num_sub, sub_chunk_size)) for x in (q, k, gamma))
+    first, last = gamma[..., :1, :], gamma[..., -1:, :]
+    from_first = (gamma - first).exp()
+    keys_to_last = k * (last - gamma).exp()
+    later = torch.ones(num_sub, num_sub, dtype=torch.bool, device=k.device).triu(1)[..., None, None]
+    bridge = (first.unsqueeze(-3) - last.unsqueeze(-4)).masked_fill(later, float("-inf")).exp()  # [..., i, j, 1, D]
+    keys = (bridge * keys_to_last.unsqueeze(-4)).flatten(-3, -2).transpose(-1, -2)  # [..., i, D, C]
+    query_key = ((q * from_first) @ keys).flatten(-3, -2)
+    key_key = ((k * from_first) @ keys).flatten(-3, -2)
+    return query_key.tril(), key_key.tril(-1)
+
+
+def _split_chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """[B, T, H, ...] -> [B, H, N, C, ...], zero-padding the tail to a whole chunk."""
+    pad = (-x.shape[1]) % chunk_size
+    x = F.pad(x, (0, 0) * (x.ndim - 2) + (0, pad))
+    return x.transpose(1, 2).unflatten(2, (-1, chunk_size))
+
+
+def chunk_kda(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, gate_lower_bound: float | None = None):
     """Chunked KDA: the WY form of architecture.md §2.3 step 7, equal to `recurrent_kda` up to rounding.
 
-    The intra-chunk decay is always evaluated as the single exponent of a difference e^{γ_r−γ_s}: the factored
-    e^{γ_r}·e^{−γ_s} overflows fp32 once γ reaches about −88 inside a chunk (γ can reach −320 with lb = −5).
+    Everything that does not depend on the incoming state (decayed scores, T = (I + L)^-1, U, W) is computed for all
+    chunks at once; only Ṽ = U − W S and the state update run chunk by chunk. ``gate_lower_bound`` (every g ≥ lb)
+    sizes the sub-chunks of `kda_intra_chunk_scores`; without it the kernel assumes nothing about g.
     Padding the tail with k = v = g = β = 0 leaves the state untouched, so any length works.
     """
     batch_size, seq_len, num_heads, k_dim = k.shape
-    pad = (-seq_len) % chunk_size
-    q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
-    beta = F.pad(beta, (0, 0, 0, pad))
-    # -> [B, H, N, C, D]
-    q, k, v, g = (x.transpose(1, 2).unflatten(2, (-1, chunk_size)) for x in (q, k, v, g))
-    beta = beta.transpose(1, 2).unflatten(2, (-1, chunk_size))
+    sub_chunk_size = kda_sub_chunk_size(chunk_size, gate_lower_bound, q.dtype)
+    q, k, v, g, beta = (_split_chunks(x, chunk_size) for x in (q, k, v, g, beta))
+    gamma = g.cumsum(-2)
+    query_key, key_key = kda_intra_chunk_scores(q, k, gamma, sub_chunk_size)
+    eye = torch.eye(chunk_size, dtype=q.dtype, device=q.device)
+    lower = beta[..., None] * key_key
+    # T = (I + L)^-1 by forward substitution on the unit lower-triangular system.
+    transform = torch.linalg.solve_triangular(eye + lower, eye.expand_as(lower), upper=False, unitriangular=True)
+    decay = gamma.exp()
+    u = transform @ (beta[..., None] * v)
+    w = transform @ (beta[..., None] * k * decay)
+    last = gamma[..., -1:, :]
+    keys_to_end = (k * (last - gamma).exp()).transpose(-1, -2)
+    chunk_decay = last.transpose(-1, -2).exp()
     state = (
         q.new_zeros(batch_size, num_heads, k_dim, v.shape[-1]) if initial_state is None else initial_state.to(q.dtype)
     )
-    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
-    eye = torch.eye(chunk_size, dtype=q.dtype, device=q.device)
-    outputs = []
-    for n in range(q.shape[2]):
-        q_n, k_n, v_n, beta_n = q[:, :, n], k[:, :, n], v[:, :, n], beta[:, :, n]
-        gamma = g[:, :, n].cumsum(-2)
-        decay = (gamma[..., :, None, :] - gamma[..., None, :, :]).masked_fill(~causal[..., None], float("-inf")).exp()
-        key_key = torch.einsum("bhrc,bhsc,bhrsc->bhrs", k_n, k_n, decay)
-        lower = (beta_n[..., None] * key_key).tril(-1)
-        # T = (I + L)^-1 by forward substitution on the unit lower-triangular system.
-        transform = torch.linalg.solve_triangular(eye + lower, eye.expand_as(lower), upper=False, unitriangular=True)
-        u = transform @ (beta_n[..., None] * v_n)
-        w = transform @ (beta_n[..., None] * k_n * gamma.exp())
-        new_values = u - w @ state
-        query_key = torch.einsum("bhrc,bhsc,bhrsc->bhrs", q_n, k_n, decay)
-        outputs.append((q_n * gamma.exp()) @ state + query_key @ new_values)
-        last = gamma[..., -1:, :]
-        state = state * last.transpose(-1, -2).exp() + (k_n * (last - gamma).exp()).transpose(-1, -2) @ new_values
-    output = torch.stack(outputs, dim=2).flatten(2, 3)[:, :, :seq_len].transpose(1, 2)
-    return output, state
+    # unbind, not indexing: the backward of per-chunk indexing writes a full-size zero gradient for every chunk.
+    incoming_states, new_values = [], []
+    for u_n, w_n, keys_n, decay_n in zip(u.unbind(2), w.unbind(2), keys_to_end.unbind(2), chunk_decay.unbind(2)):
+        incoming_states.append(state)
+        new_values.append(u_n - w_n @ state)
+        state = state * decay_n + keys_n @ new_values[-1]
+    new_values = torch.stack(new_values, dim=2)
+    output = (q * decay) @ torch.stack(incoming_states, dim=2) + query_key @ new_values
+    return output.flatten(2, 3)[:, :, :seq_len].transpose(1, 2), state
 
 
 class KimiK3DeltaAttention(nn.Module):
@@ -253,17 +315,20 @@ class KimiK3DeltaAttention(nn.Module):
         k = self._causal_conv(self.k_proj(hidden_states), self.k_conv1d, past_key_values, 1).reshape(head_shape)
         v = self._causal_conv(self.v_proj(hidden_states), self.v_conv1d, past_key_values, 2).reshape(head_shape)
         g = kda_decay_gate(self.f_b_proj(self.f_a_proj(hidden_states)), self.A_log, self.dt_bias, self.gate_lower_bound)
-        beta = torch.sigmoid(self.b_proj(hidden_states).float())
+        beta = torch.sigmoid(upcast(self.b_proj(hidden_states)))
         if attention_mask is not None:
             # A padded position neither decays nor writes the state: it is an exact no-op on the recurrence.
             valid = attention_mask.to(torch.float32)
             g = g * valid[..., None, None]
             beta = beta * valid[..., None]
 
-        q = l2_normalize(q.float()) * self.head_dim**-0.5
-        k = l2_normalize(k.float())
-        kernel = recurrent_kda if previous_state is not None and seq_len == 1 else chunk_kda
-        core, final_state = kernel(q, k, v.float(), g, beta, initial_state=previous_state)
+        q = l2_normalize(upcast(q)) * self.head_dim**-0.5
+        k = l2_normalize(upcast(k))
+        if previous_state is not None and seq_len == 1:
+            kernel = recurrent_kda
+        else:
+            kernel = partial(chunk_kda, gate_lower_bound=self.gate_lower_bound)
+        core, final_state = kernel(q, k, upcast(v), g, beta, initial_state=previous_state)
         if past_key_values is not None:
             past_key_values.update_recurrent_state(final_state, self.layer_idx)
 
@@ -289,7 +354,7 @@ def eager_attention_forward(
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
     if attention_mask is not None:
         scores = scores + attention_mask[:, :, :, : key.shape[-2]]
-    weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = F.softmax(upcast(scores), dim=-1).to(query.dtype)
     weights = F.dropout(weights, p=dropout, training=module.training)
     output = torch.matmul(weights, value).transpose(1, 2).contiguous()
     return output, weights
@@ -420,7 +485,7 @@ class KimiK3MLAAttention(nn.Module):
     @torch.no_grad()
     def _record_logit_max(self, queries: torch.Tensor, keys: torch.Tensor, token_mask: torch.Tensor | None) -> None:
         """Per-head running max of the pre-softmax logits over causal, non-padding pairs (QK-Clip, training.md §2.5)."""
-        logits = torch.matmul(queries.float(), keys.float().transpose(2, 3)) * self.scaling
+        logits = torch.matmul(upcast(queries), upcast(keys).transpose(2, 3)) * self.scaling
         query_len, key_len = logits.shape[-2:]
         allowed = torch.ones(query_len, key_len, dtype=torch.bool, device=logits.device).tril(key_len - query_len)
         allowed = allowed.expand(logits.shape[0], 1, -1, -1)
@@ -441,9 +506,9 @@ def block_attention_residual(
 
     The pseudo-query is ``norm.weight ⊙ proj.weight[0]``; the mix is over the raw (un-normalised) values.
     """
-    values = torch.stack([*blocks, partial], dim=-2).float()
+    values = upcast(torch.stack([*blocks, partial], dim=-2))
     keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    pseudo_query = norm.weight.float() * proj.weight[0].float()
+    pseudo_query = upcast(norm.weight) * upcast(proj.weight[0])
     mix = torch.softmax(keys @ pseudo_query, dim=-1)
     return (mix.unsqueeze(-1) * values).sum(-2).to(partial.dtype)
 
@@ -482,7 +547,7 @@ class KimiK3TopkRouter(nn.Module):
         self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns router logits [N, n], routing weights [N, k] (fp32) and expert indices [N, k]."""
-        logits = F.linear(hidden_states.float(), self.weight.float())
+        logits = F.linear(upcast(hidden_states), upcast(self.weight))
         scores = logits.sigmoid() if self.score_function == "sigmoid" else logits.softmax(-1)
         recording = self.training and torch.is_grad_enabled()
         with torch.no_grad():
@@ -559,12 +624,12 @@ class KimiK3Experts(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        combined = hidden_states.new_zeros(hidden_states.shape, dtype=torch.float32)
+        combined = upcast(hidden_states.new_zeros(hidden_states.shape))
         for expert in top_k_index.unique().tolist():
             token_idx, slot = torch.where(top_k_index == expert)
             expert_out = F.linear(hidden_states[token_idx], self.gate_up_proj[expert])
             expert_out = F.linear(self._apply_gate(expert_out), self.down_proj[expert])
-            combined.index_add_(0, token_idx, expert_out.float() * top_k_weights[token_idx, slot, None])
+            combined.index_add_(0, token_idx, upcast(expert_out) * top_k_weights[token_idx, slot, None])
         return combined.to(hidden_states.dtype)
 
 
@@ -688,6 +753,26 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         "hidden_states": OutputRecorder(KimiK3DecoderLayer, index=0),
         "attentions": OutputRecorder(KimiK3MLAAttention, index=1),
     }
+
+    @staticmethod
+    def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys=None):
+        """Read a released-layout checkpoint (architecture.md §3) through the release transforms, after a strict check.
+
+        transformers only warns about missing or unexpected tensors; a released checkpoint must match exactly, so
+        `match_checkpoint_tensors` names every offending tensor before any is read. Our own `save_pretrained`
+        layout takes the stock path unchanged.
+        """
+        released = _released_checkpoint_entries(checkpoint_files) if state_dict is None else None
+        if released is not None:
+            match_checkpoint_tensors(released, checkpoint_shapes(model), partial(read_checkpoint_tensor, released))
+            load_config = replace(
+                load_config, weight_mapping=[*released_layout_transforms(), *(load_config.weight_mapping or [])]
+            )
+        loaded = PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys)
+        if released is not None:
+            # The release transforms are load-only: `save_pretrained` writes our layout again (the registered mapping).
+            model._weight_conversions = None
+        return loaded
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -886,6 +971,230 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
             attentions=outputs.attentions,
             router_logits=outputs.router_logits,
         )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Released checkpoint layout (architecture.md §3): `language_model.` prefix, MXFP4 routed experts, zero-padded A_log
+# ---------------------------------------------------------------------------------------------------------------------
+RELEASE_TEXT_PREFIX = "language_model."
+RELEASE_MULTIMODAL_PREFIXES = ("vision_tower.", "mm_projector.")
+MXFP4_GROUP_SIZE = 32
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+ROUTED_EXPERT_WEIGHT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
+_MAX_REPORTED_PROBLEMS = 20
+
+
+def _mxfp4_byte_values() -> torch.Tensor:
+    """[256, 2]: the two values a byte encodes, element 2j in the low nibble; code bit 3 is the sign."""
+    magnitudes = torch.tensor(E2M1_MAGNITUDES)
+    codes = torch.cat([magnitudes, -magnitudes])
+    byte = torch.arange(256)
+    return torch.stack([codes[byte & 0xF], codes[byte >> 4]], dim=-1)
+
+
+_MXFP4_BYTE_VALUES = _mxfp4_byte_values()
+# E8M0: 2^(s − 127), exact in fp32 down to the subnormal 2^-127; s = 255 encodes NaN.
+_E8M0_VALUES = torch.tensor([2.0 ** (s - 127) for s in range(255)] + [float("nan")])
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """MXFP4 -> dense: W[n, 32g + r] = E2M1(code) · 2^(s[n, g] − 127), exact in bf16 (architecture.md §3.3).
+
+    ``blocks`` uint8 [..., in/2] holds two codes per byte; ``scales`` uint8 [..., in/32] one E8M0 exponent per group.
+    """
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 `blocks` and `scales` must be uint8, got {blocks.dtype} and {scales.dtype}.")
+    if blocks.shape[:-1] != scales.shape[:-1] or 2 * blocks.shape[-1] != MXFP4_GROUP_SIZE * scales.shape[-1]:
+        raise ValueError(
+            f"MXFP4 `blocks` {list(blocks.shape)} and `scales` {list(scales.shape)} disagree: for n input features "
+            f"they must be [..., n/2] and [..., n/{MXFP4_GROUP_SIZE}]."
+        )
+    values = _MXFP4_BYTE_VALUES.to(blocks.device).index_select(0, blocks.flatten().long())
+    group_scales = _E8M0_VALUES.to(blocks.device).index_select(0, scales.flatten().long())
+    dense = values.view(-1, MXFP4_GROUP_SIZE) * group_scales[:, None]
+    return dense.view(*blocks.shape[:-1], -1).to(dtype)
+
+
+class DequantizeMXFP4(ConversionOps):
+    """(weight_packed, weight_scale) source pairs -> dense expert weights, stacked over experts (architecture.md §3.3).
+
+    transformers materializes every checkpoint tensor in the target parameter's dtype before the ops run; the uint8
+    codes and exponents (integers below 256) survive that cast exactly and are cast back here.
+    """
+
+    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+        dense = {}
+        for packed_pattern, scale_pattern in zip(source_patterns[::2], source_patterns[1::2]):
+            blocks, scales = input_dict.pop(packed_pattern), input_dict.pop(scale_pattern)
+            first = blocks[0]
+            stacked = first.new_empty((len(blocks), first.shape[0], 2 * first.shape[1]))
+            for expert, (codes, exponents) in enumerate(zip(blocks, scales)):
+                stacked[expert] = dequantize_mxfp4(codes.to(torch.uint8), exponents.to(torch.uint8), stacked.dtype)
+            dense[packed_pattern] = stacked
+        return dense
+
+
+class NarrowToHeads(ConversionOps):
+    """The released ``A_log`` is zero-padded to head_dim (architecture.md §3.2); the model keeps its [num_heads] head.
+
+    `match_checkpoint_tensors` has verified that the padded tail is zero.
+    """
+
+    def convert(self, input_dict, source_patterns, target_patterns, config=None, **kwargs):
+        (tensors,) = input_dict.values()
+        return {target_patterns[0]: tensors[0][: config.linear_attn_config["num_heads"]].clone()}
+
+
+def released_layout_transforms() -> list[WeightConverter | PrefixChange]:
+    """Load-only transforms from the released layout onto our parameters (architecture.md §3.1-3.3)."""
+    experts = r"block_sparse_moe\.experts.*."
+    return [
+        PrefixChange(prefix_to_remove=RELEASE_TEXT_PREFIX.removesuffix(".")),
+        WeightConverter(
+            source_patterns=[f"{experts}w{n}.weight_{part}" for n in (1, 3) for part in ("packed", "scale")],
+            target_patterns="block_sparse_moe.experts.gate_up_proj",
+            operations=[DequantizeMXFP4(), MergeModulelist(dim=0), Concatenate(dim=1)],
+        ),
+        WeightConverter(
+            source_patterns=[f"{experts}w2.weight_packed", f"{experts}w2.weight_scale"],
+            target_patterns="block_sparse_moe.experts.down_proj",
+            operations=[DequantizeMXFP4(), MergeModulelist(dim=0)],
+        ),
+        WeightConverter(
+            source_patterns=r"self_attn\.A_log", target_patterns="self_attn.A_log", operations=[NarrowToHeads()]
+        ),
+    ]
+
+
+class CheckpointEntry(NamedTuple):
+    path: str
+    shape: tuple[int, ...]
+    dtype: str  # safetensors name: "BF16", "F32", "U8", ...
+
+
+def read_safetensors_headers(shard_files: list[str]) -> dict[str, CheckpointEntry]:
+    """Shard, shape and dtype of every tensor of a (sharded) checkpoint, read from the headers only."""
+    entries = {}
+    for path in shard_files:
+        try:
+            with safe_open(path, framework="pt") as shard:
+                for name in shard.keys():
+                    tensor = shard.get_slice(name)
+                    entries[name] = CheckpointEntry(str(path), tuple(tensor.get_shape()), tensor.get_dtype())
+        except SafetensorError as error:
+            raise ValueError(f"Checkpoint shard {path} cannot be read (truncated or corrupted?): {error}") from error
+    return entries
+
+
+def read_checkpoint_tensor(entries: dict[str, CheckpointEntry], name: str) -> torch.Tensor:
+    with safe_open(entries[name].path, framework="pt") as shard:
+        return shard.get_tensor(name)
+
+
+def is_released_layout(names) -> bool:
+    """The release prefixes text tensors with `language_model.` and stores routed experts as MXFP4 `weight_packed`."""
+    return any(name.startswith(RELEASE_TEXT_PREFIX) or name.endswith(".weight_packed") for name in names)
+
+
+def _released_checkpoint_entries(checkpoint_files: list[str] | None) -> dict[str, CheckpointEntry] | None:
+    if not checkpoint_files or not all(str(path).endswith(".safetensors") for path in checkpoint_files):
+        return None
+    entries = read_safetensors_headers(checkpoint_files)
+    return entries if is_released_layout(entries) else None
+
+
+def _unfused_expert_shapes(name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """Fused experts -> one checkpoint tensor per expert: gate_up_proj[e] = [w1; w3], down_proj[e] = w2."""
+    stem, _, leaf = name.rpartition(".")
+    if stem.endswith(".experts") and leaf == "gate_up_proj":
+        num_experts, gate_and_up, latent = shape
+        return {f"{stem}.{e}.w{n}.weight": (gate_and_up // 2, latent) for e in range(num_experts) for n in (1, 3)}
+    if stem.endswith(".experts") and leaf == "down_proj":
+        num_experts, latent, intermediate = shape
+        return {f"{stem}.{e}.w2.weight": (latent, intermediate) for e in range(num_experts)}
+    return {name: shape}
+
+
+def checkpoint_shapes(model: KimiK3PreTrainedModel) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of our checkpoint layout for ``model``: KimiK3ForCausalLM names, per-expert w1/w3/w2."""
+    prefix = "model." if isinstance(model, KimiK3Model) else ""
+    shapes = {}
+    for name, tensor in model.state_dict().items():
+        shapes.update(_unfused_expert_shapes(prefix + name, tuple(tensor.shape)))
+    if model.config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)  # stored once, as the embedding
+    else:
+        shapes.setdefault("lm_head.weight", (model.config.vocab_size, model.config.hidden_size))
+    return shapes
+
+
+def match_checkpoint_tensors(
+    entries: dict[str, CheckpointEntry],
+    expected: dict[str, tuple[int, ...]],
+    read_tensor: Callable[[str], torch.Tensor],
+) -> dict[str, tuple[str, ...]]:
+    """Match a checkpoint in either layout against ``expected`` (`checkpoint_shapes`); refuse it, naming every
+    offending tensor, unless each text tensor is present with its shape and nothing else is.
+
+    Returns, for each expected name, the stored tensors that hold it: itself, or (weight_packed, weight_scale).
+    An expert counts as MXFP4 exactly when its `weight_packed` exists; the release's `quantization_config.ignore`
+    list is incomplete (architecture.md §3.3). A longer 1-D `A_log` must be zero past num_heads (§3.2).
+    Vision and projector tensors are skipped, with one log line.
+    """
+    prefix = RELEASE_TEXT_PREFIX if any(name.startswith(RELEASE_TEXT_PREFIX) for name in entries) else ""
+    skipped = Counter(p for name in entries for p in RELEASE_MULTIMODAL_PREFIXES if name.startswith(p))
+    if skipped:
+        counts = ", ".join(f"{skipped[p]} {p}* tensors" for p in RELEASE_MULTIMODAL_PREFIXES if skipped[p])
+        logger.warning(f"Skipping the multimodal part of the checkpoint (the text model has no use for it): {counts}.")
+    unclaimed = {name for name in entries if not name.startswith(RELEASE_MULTIMODAL_PREFIXES)}
+    sources, problems = {}, []
+    for name, shape in expected.items():
+        key = prefix + name
+        if ROUTED_EXPERT_WEIGHT.search(name) and f"{key}_packed" in entries:
+            stored = (f"{key}_packed", f"{key}_scale")
+            problems += _mxfp4_problems(entries, stored, shape)
+        elif key in entries:
+            stored = (key,)
+            problems += _shape_problems(entries[key], key, shape, read_tensor)
+        else:
+            problems.append(f"missing {key} {list(shape)}")
+            continue
+        sources[name] = stored
+        unclaimed.difference_update(stored)
+    problems += [f"unexpected {name} {list(entries[name].shape)}" for name in sorted(unclaimed)]
+    if problems:
+        listed = "\n  ".join(problems[:_MAX_REPORTED_PROBLEMS])
+        more = len(problems) - _MAX_REPORTED_PROBLEMS
+        raise ValueError(
+            f"Refusing the checkpoint: {len(problems)} text tensor(s) do not match the model.\n  "
+            f"{listed}" + (f"\n  ... and {more} more" if more > 0 else "")
+        )
+    return sources
+
+
+def _mxfp4_problems(entries, stored: tuple[str, str], shape: tuple[int, ...]) -> list[str]:
+    rows, columns = shape
+    wanted = dict(zip(stored, [(rows, columns // 2), (rows, columns // MXFP4_GROUP_SIZE)]))
+    problems = []
+    for name, want in wanted.items():
+        entry = entries.get(name)
+        if entry is None:
+            problems.append(f"missing {name} {list(want)}")
+        elif entry.shape != want or entry.dtype != "U8":
+            problems.append(f"{name}: expected U8 {list(want)}, found {entry.dtype} {list(entry.shape)}")
+    return problems
+
+
+def _shape_problems(entry: CheckpointEntry, key: str, shape: tuple[int, ...], read_tensor) -> list[str]:
+    if key.endswith("A_log") and len(entry.shape) == 1 and entry.shape[0] > shape[0]:
+        tail = read_tensor(key)[shape[0] :]
+        if tail.any():
+            return [
+                f"{key}: stored zero-padded to {entry.shape[0]}, but entries {shape[0]}..{entry.shape[0] - 1} are not "
+                f"zero (max |x| = {tail.abs().max().item():.4g}); the model has {shape[0]} heads"
+            ]
+        return []
+    return [] if entry.shape == shape else [f"{key}: expected shape {list(shape)}, found {list(entry.shape)}"]
 
 
 def _released_expert_layout() -> list[WeightConverter]:

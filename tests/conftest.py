@@ -6,11 +6,16 @@ import tempfile
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("HF_HOME", tempfile.mkdtemp(prefix="kimi-k3-hf-home-"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Toy-sized ops gain nothing from intra-op threads, and spinning OpenMP workers collapse throughput when several
+# processes share the 2 cores (subprocess tests, parallel runs): one thread keeps the suite fast and predictable.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def tiny_config(**overrides) -> KimiK3Config:

@@ -1,0 +1,132 @@
+"""KimiK3Config: released field names, derived layer descriptions, release JSON, validation errors."""
+
+import json
+
+import pytest
+
+from configuration_kimi_k3 import KimiK3Config
+from tests.conftest import tiny_config
+
+
+def test_layer_types_come_from_one_based_released_lists():
+    config = tiny_config()
+    assert config.layer_types == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + [
+        "full_attention"
+    ] * 2
+    assert config.mlp_layer_types == ["dense"] + ["sparse"] * 8
+    assert config.kda_layer_indices == [0, 1, 2, 4, 5, 6]
+    assert config.mla_layer_indices == [3, 7, 8]
+
+
+def test_released_preset_has_the_release_layer_pattern():
+    config = KimiK3Config.kimi_k3()
+    mla = [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"]
+    assert len(mla) == 24 and mla[-2:] == [91, 92] and mla[:3] == [3, 7, 11]
+    assert config.layer_types.count("linear_attention") == 69
+    assert config.mlp_layer_types[0] == "dense" and set(config.mlp_layer_types[1:]) == {"sparse"}
+    assert (config.num_experts, config.num_experts_per_token, config.routed_expert_hidden_size) == (896, 16, 3584)
+
+
+def test_default_config_keeps_k3_invariants():
+    config = KimiK3Config()
+    assert config.layer_types[-2:] == ["full_attention", "full_attention"]
+    assert "linear_attention" in config.layer_types
+    assert config.num_hidden_layers // config.attn_res_block_size >= 2
+    assert config.mlp_layer_types[0] == "dense"
+    assert config.routed_expert_hidden_size != config.hidden_size
+    assert config.num_shared_experts > 0 and config.num_experts_per_token > 1
+    assert config.num_experts >= 8 * config.num_experts_per_token
+    assert (config.hidden_act, config.activation_situ_beta, config.activation_situ_linear_beta) == ("situ", 4.0, 25.0)
+    assert config.qk_rope_head_dim > 0 and config.mla_use_output_gate
+
+
+def test_save_and_reload_round_trip(tmp_path):
+    config = tiny_config(routed_scaling_factor=2.5)
+    config.save_pretrained(tmp_path)
+    reloaded = KimiK3Config.from_pretrained(tmp_path)
+    assert reloaded.to_dict() == config.to_dict()
+
+
+def test_released_wrapper_json_yields_the_text_config(tmp_path, caplog):
+    text = KimiK3Config.kimi_k3().to_dict()
+    text.update(model_type="kimi_linear", architectures=["KimiLinearForCausalLM"], quantization_config={"x": 1})
+    for key in ("layer_types", "mlp_layer_types", "bos_token_id"):
+        text.pop(key)
+    wrapper = {
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "model_type": "kimi_k3",
+        "bos_token_id": 163584,
+        "media_placeholder_token_id": 163605,
+        "vision_config": {"depth": 27},
+        "text_config": text,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(wrapper))
+    config = KimiK3Config.from_pretrained(tmp_path)
+    assert config.hidden_size == 7168 and config.num_experts == 896
+    assert config.bos_token_id == 163584 and config.eos_token_id == 163586
+    assert config.layer_types[-2:] == ["full_attention", "full_attention"]
+    assert not hasattr(config, "vision_config") and not hasattr(config, "quantization_config")
+
+
+def test_attribute_aliases_of_other_moe_ports():
+    config = tiny_config(num_experts_per_tok=3, num_local_experts=12)
+    assert (config.num_experts_per_token, config.num_experts) == (3, 12)
+
+
+BAD_SETTINGS = [
+    ({"hidden_size": 0}, "hidden_size"),
+    ({"num_hidden_layers": -1}, "num_hidden_layers"),
+    ({"vocab_size": "big"}, "vocab_size"),
+    ({"num_experts_per_token": 9}, "num_experts_per_token"),
+    ({"num_experts_per_token": 8}, "num_experts_per_token \\+ 1"),
+    ({"num_experts": 0}, "num_experts"),
+    ({"hidden_act": "swish2"}, "hidden_act"),
+    ({"moe_router_activation_func": "relu"}, "moe_router_activation_func"),
+    ({"moe_router_activation_func": "softmax"}, "quantile_balancing"),
+    ({"kv_lora_rank": None}, "kv_lora_rank"),
+    ({"v_head_dim": 0}, "v_head_dim"),
+    ({"mla_use_nope": False}, "mla_use_nope"),
+    ({"attn_res_block_size": 0}, "attn_res_block_size"),
+    ({"rms_norm_eps": 0.0}, "rms_norm_eps"),
+    ({"first_k_dense_replace": 10}, "first_k_dense_replace"),
+    ({"num_expert_group": 4, "topk_group": 2}, "Group-limited"),
+    ({"router_balancing": "aux_loss"}, "router_balancing"),
+    ({"qb_estimator": "median"}, "qb_estimator"),
+    ({"qb_num_bins": 1}, "qb_num_bins"),
+    ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers"),
+    ({"routed_expert_hidden_size": -4}, "routed_expert_hidden_size"),
+    ({"activation_situ_beta": -1.0}, "activation_situ_beta"),
+    ({"layer_types": ["full_attention"] * 9}, "layer_types"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD_SETTINGS, ids=[m for _, m in BAD_SETTINGS])
+def test_invalid_settings_raise_naming_the_field(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_config(**overrides)
+
+
+def _linear_cfg(**changes):
+    cfg = dict(tiny_config().linear_attn_config)
+    cfg.update(changes)
+    return cfg
+
+
+BAD_LAYER_LISTS = [
+    (_linear_cfg(kda_layers=[1, 2, 3, 4, 5, 6, 7]), "overlap"),
+    (_linear_cfg(kda_layers=[1, 2, 3, 5, 6]), "neither"),
+    (_linear_cfg(full_attn_layers=[4, 8, 10]), "out of range"),
+    (_linear_cfg(full_attn_layers=[0, 4, 8, 9]), "out of range"),
+    (_linear_cfg(kda_layers=[1, 1, 2, 3, 5, 6, 7]), "twice"),
+    ({k: v for k, v in _linear_cfg().items() if k != "kda_layers"}, "kda_layers` is missing"),
+    (_linear_cfg(gate_lower_bound=0.5), "gate_lower_bound"),
+    (_linear_cfg(num_heads=0), "num_heads"),
+    (_linear_cfg(short_conv_kernel_size=None), "short_conv_kernel_size"),
+    (_linear_cfg(use_full_rank_gate=False), "use_full_rank_gate"),
+]
+
+
+@pytest.mark.parametrize("linear_attn_config,message", BAD_LAYER_LISTS, ids=[m for _, m in BAD_LAYER_LISTS])
+def test_invalid_layer_lists_raise_naming_the_field(linear_attn_config, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_config(linear_attn_config=linear_attn_config)
