@@ -17,6 +17,12 @@ ROUTER_SCORE_FUNCTIONS = ("sigmoid", "softmax")
 ROUTER_BALANCING_MODES = ("quantile_balancing", "none")
 QB_ESTIMATORS = ("histogram", "exact")
 SUPPORTED_ACTIVATIONS = ("situ", "silu", "gelu", "relu")
+# Saved folders load through every Auto class with `trust_remote_code` (transformers only writes the saved class).
+AUTO_MAP = {
+    "AutoConfig": "configuration_kimi_k3.KimiK3Config",
+    "AutoModel": "modeling_kimi_k3.KimiK3Model",
+    "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForCausalLM",
+}
 # Keys of the released multimodal wrapper that describe the vision side or serving-time quantization only.
 _WRAPPER_ONLY_KEYS = ("vision_config", "media_placeholder_token_id", "image_placeholder", "ignore_index")
 _TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -132,6 +138,7 @@ class KimiK3Config(PreTrainedConfig):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         super().__post_init__(**kwargs)
+        self.auto_map = dict(AUTO_MAP)
         self._validate()
         self._derive_layer_types()
 

@@ -1,0 +1,158 @@
+"""Cached generation: the hybrid KDA/MLA cache reproduces full forwards; bad generation inputs fail clearly."""
+
+import pytest
+import torch
+from transformers import DynamicCache, GenerationConfig
+from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
+
+from modeling_kimi_k3 import KimiK3ForCausalLM
+from tests.conftest import tiny_config
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    model = KimiK3ForCausalLM(tiny_config(pad_token_id=0, eos_token_id=None)).eval()
+    with torch.no_grad():  # non-uniform AttnRes mixes
+        for name, param in model.named_parameters():
+            if "res_proj" in name:
+                param.normal_(0, 0.5)
+    return model
+
+
+def left_padded_prompts(lengths, vocab=97, pad=0):
+    generator = torch.Generator().manual_seed(1)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        ids[row, width - length :] = torch.randint(3, vocab, (length,), generator=generator)
+        mask[row, width - length :] = 1
+    return ids, mask
+
+
+def greedy_without_cache(model, ids, mask, new_tokens):
+    for _ in range(new_tokens):
+        logits = model(ids, attention_mask=mask, use_cache=False).logits[:, -1]
+        ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    return ids
+
+
+def test_greedy_generate_with_cache_equals_repeated_full_forwards(model):
+    ids, mask = left_padded_prompts([11, 4, 7])
+    with torch.no_grad():
+        generated = model.generate(
+            ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
+        reference = greedy_without_cache(model, ids, mask, 40)
+    assert generated.shape == (3, 11 + 40)
+    assert torch.equal(generated, reference)
+
+
+def test_generate_without_cache_matches_cached(model):
+    ids, mask = left_padded_prompts([6, 9])
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, use_cache=True, **kwargs), model.generate(ids, use_cache=False, **kwargs))
+
+
+def test_sampling_with_a_fixed_seed_is_reproducible(model):
+    ids, mask = left_padded_prompts([5, 8])
+    kwargs = dict(attention_mask=mask, max_new_tokens=15, do_sample=True, top_k=20, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        torch.manual_seed(7)
+        first = model.generate(ids, **kwargs)
+        torch.manual_seed(7)
+        second = model.generate(ids, **kwargs)
+    assert torch.equal(first, second)
+
+
+def test_beam_search_reorders_both_cache_kinds(model):
+    ids, mask = left_padded_prompts([6, 9])
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, num_beams=3, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        cached = model.generate(ids, use_cache=True, **kwargs)
+        uncached = model.generate(ids, use_cache=False, **kwargs)
+    assert torch.equal(cached, uncached)
+
+
+def test_prefill_then_single_token_steps_match_one_full_forward(model):
+    ids = torch.randint(3, 97, (2, 70))
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model(ids[:, :50], use_cache=True)
+        cache, steps = out.past_key_values, [out.logits]
+        for t in range(50, 70):
+            out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            steps.append(out.logits)
+    assert (torch.cat(steps, dim=1) - full).abs().max() <= 1e-5
+
+
+def test_multi_token_continuation_matches_full_forward(model):
+    ids = torch.randint(3, 97, (2, 40))
+    with torch.no_grad():
+        full = model(ids).logits
+        first = model(ids[:, :23], use_cache=True)
+        second = model(ids[:, 23:], past_key_values=first.past_key_values, use_cache=True)
+    assert (torch.cat([first.logits, second.logits], dim=1) - full).abs().max() <= 1e-5
+
+
+def test_forward_returns_a_hybrid_cache_and_none_without_cache(model):
+    ids = torch.randint(3, 97, (1, 5))
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+        assert model(ids, use_cache=False).past_key_values is None
+    assert isinstance(cache, DynamicCache)
+    kinds = [type(layer) for layer in cache.layers]
+    expected = [LinearAttentionLayer if t == "linear_attention" else DynamicLayer for t in model.config.layer_types]
+    assert kinds == expected
+    assert cache.get_seq_length() == 5
+
+
+def cache_bytes(cache):
+    kda = mla = 0
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionLayer):
+            tensors = list(layer.conv_states.values()) + list(layer.recurrent_states.values())
+            kda += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        else:
+            mla += layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+    return kda, mla
+
+
+def test_kda_cache_is_constant_and_mla_cache_grows_linearly(model):
+    sizes = {}
+    with torch.no_grad():
+        for length in (16, 64, 256):
+            sizes[length] = cache_bytes(model(torch.randint(3, 97, (1, length)), use_cache=True).past_key_values)
+    assert sizes[16][0] == sizes[64][0] == sizes[256][0] > 0
+    per_token = (sizes[256][1] - sizes[64][1]) / 192
+    assert per_token == (sizes[64][1] - sizes[16][1]) / 48
+    cfg = model.config
+    assert per_token == 3 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4  # 3 MLA layers, compressed latent, fp32
+
+
+def test_generation_beyond_max_positions_fails_clearly(model):
+    ids = torch.randint(3, 97, (1, 500))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=None)
+
+
+def test_cache_from_another_batch_size_fails_clearly(model):
+    with torch.no_grad():
+        cache = model(torch.randint(3, 97, (2, 6)), use_cache=True).past_key_values
+        with pytest.raises(ValueError, match="batch of 2"):
+            model(torch.randint(3, 97, (3, 1)), past_key_values=cache, use_cache=True)
+
+
+def test_mismatched_attention_mask_fails_clearly(model):
+    ids, mask = left_padded_prompts([5, 7])
+    with pytest.raises(ValueError, match="attention_mask"):
+        model.generate(ids, attention_mask=mask[:, 1:], max_new_tokens=3, pad_token_id=0, eos_token_id=None)
+
+
+def test_generation_config_is_saved(tmp_path, model):
+    model.generation_config = GenerationConfig(max_new_tokens=5, pad_token_id=0)
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "generation_config.json").exists()

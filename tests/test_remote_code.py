@@ -1,0 +1,104 @@
+"""Saved folders load as ``trust_remote_code`` in a fresh interpreter where this project is not importable."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+import modeling_kimi_k3
+from modeling_kimi_k3 import KimiK3ForCausalLM
+from tests.conftest import tiny_config
+
+LOAD_IN_FRESH_PROCESS = textwrap.dedent(
+    """
+    import sys
+    for name in ("modeling_kimi_k3", "configuration_kimi_k3", "kimi_k3"):
+        sys.modules[name] = None  # any import of the installed project now fails
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    folder, expected = sys.argv[1], load_file(sys.argv[2])
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
+    assert type(AutoConfig.from_pretrained(folder, trust_remote_code=True)).__name__ == "KimiK3Config"
+    base = AutoModel.from_pretrained(folder, trust_remote_code=True)
+    assert type(base).__name__ == "KimiK3Model", type(base).__name__
+    with torch.no_grad():
+        logits = model(expected["input_ids"]).logits
+    assert torch.equal(logits, expected["logits"]), (logits - expected["logits"]).abs().max()
+    generated = model.generate(expected["input_ids"], max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(generated, expected["generated"])
+    print("ok")
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("k3-tiny")
+    model = KimiK3ForCausalLM(tiny_config()).eval()
+    model.save_pretrained(folder)
+    ids = torch.randint(3, 97, (2, 9))
+    with torch.no_grad():
+        expected = {
+            "input_ids": ids,
+            "logits": model(ids).logits,
+            "generated": model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0),
+        }
+    save_file(expected, str(folder.parent / "expected.safetensors"))
+    return folder
+
+
+def test_saved_folder_holds_code_config_weights_and_auto_map(saved):
+    files = sorted(os.listdir(saved))
+    assert files == [
+        "config.json",
+        "configuration_kimi_k3.py",
+        "generation_config.json",
+        "model.safetensors",
+        "modeling_kimi_k3.py",
+    ]
+    config = json.loads((saved / "config.json").read_text())
+    assert config["model_type"] == "kimi_k3"
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_kimi_k3.KimiK3Config",
+        "AutoModel": "modeling_kimi_k3.KimiK3Model",
+        "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForCausalLM",
+    }
+    assert (saved / "modeling_kimi_k3.py").read_text() == open(modeling_kimi_k3.__file__).read()
+
+
+def test_fresh_process_without_the_package_reproduces_logits(saved, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+    result = subprocess.run(
+        [sys.executable, "-I", "-c", LOAD_IN_FRESH_PROCESS, str(saved), str(saved.parent / "expected.safetensors")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("ok")
+
+
+def test_trust_remote_code_false_fails_with_transformers_message(saved):
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        AutoConfig.from_pretrained(saved, trust_remote_code=False)
+
+
+def test_registered_auto_classes_load_without_remote_code(saved):
+    modeling_kimi_k3.register_auto_classes()
+    config = AutoConfig.from_pretrained(saved)
+    assert type(config).__module__ == "configuration_kimi_k3"
+    model = AutoModelForCausalLM.from_pretrained(saved)
+    assert type(model) is KimiK3ForCausalLM
+    assert type(AutoModel.from_config(config)).__name__ == "KimiK3Model"
