@@ -482,3 +482,20 @@ def test_bad_inputs_raise_clear_errors(inputs, message):
     model = build(dtype=torch.float32)
     with pytest.raises(ValueError, match=message):
         model(**inputs)
+
+
+def test_fused_expert_layout_also_loads(tmp_path):
+    model = build(dtype=torch.float32)
+    model.save_pretrained(tmp_path, save_original_format=False)
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        assert "model.layers.1.block_sparse_moe.experts.gate_up_proj" in set(f.keys())
+    reloaded = KimiK3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = torch.randint(0, 97, (1, 8))
+    assert torch.equal(model(ids).logits, reloaded(ids).logits)
+
+
+def test_router_logits_and_layer_outputs_can_be_recorded():
+    model = build(dtype=torch.float32)
+    out = model(torch.randint(0, 97, (2, 5)), output_router_logits=True, output_hidden_states=True)
+    assert len(out.router_logits) == 8 and out.router_logits[0].shape == (10, 8)
+    assert len(out.hidden_states) == 1 + model.config.num_hidden_layers
