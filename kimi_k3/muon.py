@@ -1,0 +1,297 @@
+"""Per-Head Muon: Muon whose Newton–Schulz step runs on per-head row blocks of the attention projections.
+
+Muon (training.md §2.2) for matrix parameters, AdamW for everything else, in one ``torch.optim.Optimizer`` whose
+param groups carry their own ``lr``/``weight_decay``, so one Hugging Face LR schedule drives both halves.
+
+A Muon group may tag its parameters with
+
+- ``head_rows``: the rows of one attention head, an int or a tuple (e.g. ``(k_nope, v)`` for MLA's fused
+  ``kv_b_proj``); every head segment is orthogonalized as its own block (training.md §2.3);
+- ``expert_rows``: for stacked expert tensors ``[E, R, C]``, the rows of one block of each expert's matrix
+  (``moe_intermediate_size`` splits the fused ``gate_up_proj`` into the released w1 and w3; ``R`` keeps
+  ``down_proj`` whole).
+
+Every block, of every parameter, that has the same shape goes through one batched Newton–Schulz chain.
+"""
+
+import itertools
+import math
+import re
+from collections import defaultdict
+
+import torch
+from torch.optim.adamw import adamw
+
+from kimi_k3.qk_clip import QKClip
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_STEPS = 5
+NS_EPS = 1e-7
+# Moonlight update-RMS matching: 0.2·sqrt(max(rows, cols)) gives an AdamW-like update RMS of ~0.2 (training.md §2.2).
+MATCH_RMS_ADAMW = 0.2
+
+_KDA_HEAD_PROJS = ("q_proj", "k_proj", "v_proj")
+_MLA_QUERY_PROJS = ("q_b_proj", "q_proj")
+_LAYER_PARAM = re.compile(r"layers\.(\d+)\.self_attn\.(\w+)\.weight$")
+
+
+def zeropower_via_newton_schulz5(blocks, coefficients=NS_COEFFICIENTS, steps=NS_STEPS, eps=NS_EPS):
+    """Approximate polar factor U·S'·Vᵀ (S' ≈ 1) of every matrix in ``blocks`` [n, rows, cols], in bf16.
+
+    Each matrix is Frobenius-normalized on its own, which is what decouples the heads (training.md §2.3).
+    """
+    a, b, c = coefficients
+    x = blocks.bfloat16()
+    tall = x.size(-2) > x.size(-1)
+    if tall:
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if tall else x
+
+
+def row_pattern(group):
+    """Rows of one block, repeated along the rows of every matrix of ``group`` (one entry per block of a head)."""
+    rows = group["head_rows"] if group["head_rows"] is not None else group["expert_rows"]
+    return (rows,) if isinstance(rows, int) else rows
+
+
+def split_row_blocks(matrices, pattern):
+    """View ``matrices`` [..., R, C] as block stacks [n, r, C], one stack per distinct segment of ``pattern``."""
+    rows, cols = matrices.shape[-2:]
+    if pattern is None:
+        return [matrices.reshape(-1, rows, cols)]
+    if len(set(pattern)) == 1:
+        return [matrices.reshape(-1, pattern[0], cols)]
+    periods = matrices.reshape(-1, sum(pattern), cols)
+    starts = itertools.accumulate(pattern, initial=0)
+    return [periods[:, start : start + size] for start, size in zip(starts, pattern)]
+
+
+def merge_row_blocks(blocks, pattern, shape):
+    """Inverse of :func:`split_row_blocks`."""
+    if len(blocks) == 1:
+        return blocks[0].reshape(shape)
+    merged = torch.empty(shape, dtype=blocks[0].dtype, device=blocks[0].device)
+    periods = merged.view(-1, sum(pattern), shape[-1])
+    for start, size, block in zip(itertools.accumulate(pattern, initial=0), pattern, blocks):
+        periods[:, start : start + size] = block
+    return merged
+
+
+def orthogonalize_by_shape(stacks):
+    """Run NS5 once per distinct block shape over all ``stacks`` of that shape; returns outputs in input order."""
+    by_shape = defaultdict(list)
+    for index, stack in enumerate(stacks):
+        by_shape[tuple(stack.shape[1:])].append(index)
+    outputs = [None] * len(stacks)
+    for indices in by_shape.values():
+        batch = torch.cat([stacks[i] for i in indices])
+        pieces = zeropower_via_newton_schulz5(batch).split([stacks[i].shape[0] for i in indices])
+        for index, piece in zip(indices, pieces):
+            outputs[index] = piece
+    return outputs
+
+
+class PerHeadMuon(torch.optim.Optimizer):
+    """Muon with per-head Newton–Schulz for groups with ``use_muon=True``, AdamW for the other groups.
+
+    Muon update per block B of shape (r, C) (training.md §2.2-2.3)::
+
+        M <- mu*M + G ;  U = G + mu*M (Nesterov) ;  W <- W*(1 - lr*wd) - lr*0.2*sqrt(max(r, C))*NS5(U_B)
+
+    Momentum and decay are elementwise, so the state is one buffer per parameter, exactly as for whole-matrix Muon.
+    AdamW groups use ``betas``/``eps`` and torch's AdamW arithmetic. ``qk_clip`` (a :class:`QKClip`, set by
+    :meth:`for_model`) runs after every step: the clip is part of the K2/K3 update rule, so keeping it in ``step``
+    makes it work in any training loop and fire exactly once per optimizer step.
+    """
+
+    def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, betas=(0.9, 0.95),
+                 eps=1e-8, qk_clip=None):
+        if lr < 0:
+            raise ValueError(f"`lr` must be >= 0, got {lr}.")
+        if weight_decay < 0:
+            raise ValueError(f"`weight_decay` must be >= 0, got {weight_decay}.")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"`momentum` must be in [0, 1), got {momentum}.")
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, betas=betas, eps=eps,
+                        use_muon=True, head_rows=None, expert_rows=None)
+        super().__init__(params, defaults)
+        self.qk_clip = qk_clip
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        _check_group(self.param_groups[-1])
+
+    @classmethod
+    def for_model(cls, model, lr=1e-3, weight_decay=0.1, adamw_lr=None, adamw_betas=(0.9, 0.95), adamw_eps=1e-8,
+                  momentum=0.95, nesterov=True, split_kv=True, qk_clip_tau=None):
+        """Build the optimizer for a Kimi K3 model with the parameter split of training.md §2.4.
+
+        ``adamw_lr`` defaults to ``lr``: Moonlight RMS matching makes one lr fit both halves. ``split_kv=True``
+        (default) orthogonalizes MLA ``kv_b_proj`` as separate K and V blocks per head, because the report
+        orthogonalizes "Q, K and V" as separate projections; a fused [k_nope‖v] block would couple K's and V's
+        scales through one Frobenius normalization, which is the coupling Per-Head Muon removes, and QK-Clip
+        rescales the K rows alone. ``qk_clip_tau`` turns on QK-Clip for the MLA layers (training.md §2.5).
+        """
+        groups = build_param_groups(model, weight_decay=weight_decay, adamw_lr=adamw_lr, split_kv=split_kv)
+        qk_clip = None if qk_clip_tau is None else QKClip(model, qk_clip_tau)
+        return cls(groups, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                   betas=adamw_betas, eps=adamw_eps, qk_clip=qk_clip)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._muon_step([group for group in self.param_groups if group["use_muon"]])
+        for group in self.param_groups:
+            if not group["use_muon"]:
+                self._adamw_step(group)
+        if self.qk_clip is not None:
+            self.qk_clip()
+        return loss
+
+    def _muon_step(self, groups):
+        jobs = [(p, group, row_pattern(group)) for group in groups for p in group["params"] if p.grad is not None]
+        stacks = [split_row_blocks(self._nesterov_momentum(p, group), pattern) for p, group, pattern in jobs]
+        orthogonal = iter(orthogonalize_by_shape([stack for per_param in stacks for stack in per_param]))
+        for (p, group, pattern), per_param in zip(jobs, stacks):
+            scaled = [block.to(p.dtype) * _match_rms_scale(block) for _, block in zip(per_param, orthogonal)]
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.add_(merge_row_blocks(scaled, pattern, p.shape), alpha=-group["lr"])
+
+    def _nesterov_momentum(self, p, group):
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        buffer = state["momentum_buffer"]
+        buffer.mul_(group["momentum"]).add_(p.grad)
+        return p.grad.add(buffer, alpha=group["momentum"]) if group["nesterov"] else buffer
+
+    def _adamw_step(self, group):
+        params = [p for p in group["params"] if p.grad is not None]
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+        states = [self.state[p] for p in params]
+        beta1, beta2 = group["betas"]
+        adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+              [], [s["step"] for s in states], amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+              weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+
+
+def _match_rms_scale(block):
+    return MATCH_RMS_ADAMW * math.sqrt(max(block.shape[-2:]))
+
+
+def _check_group(group):
+    """Reject parameters Muon cannot orthogonalize, with the offending shape and the allowed layouts."""
+    if group["head_rows"] is not None and not group["params"]:
+        raise ValueError("A param group with `head_rows` has no parameters; Per-Head Muon would silently be inert.")
+    if not group["use_muon"]:
+        return
+    if group["head_rows"] is not None and group["expert_rows"] is not None:
+        raise ValueError(
+            "A Muon param group takes `head_rows` (2-D attention) or `expert_rows` (3-D experts), not both."
+        )
+    for p in group["params"]:
+        expected_ndim = 2 if group["expert_rows"] is None else 3
+        if p.ndim != expected_ndim:
+            raise ValueError(
+                f"Muon param groups hold 2-D matrices, or 3-D stacked experts [E, rows, cols] when `expert_rows` is "
+                f"set; got a {p.ndim}-D parameter of shape {tuple(p.shape)} in a group with "
+                f"expert_rows={group['expert_rows']}. Put it in a `use_muon=False` (AdamW) group."
+            )
+        pattern = row_pattern(group)
+        if pattern is not None and p.shape[-2] % sum(pattern):
+            raise ValueError(
+                f"Block rows {pattern} (sum {sum(pattern)}) do not divide the {p.shape[-2]} rows of a parameter of "
+                f"shape {tuple(p.shape)}; `head_rows`/`expert_rows` must tile the rows exactly."
+            )
+
+
+def build_param_groups(model, weight_decay=0.1, adamw_lr=None, split_kv=True):
+    """Param groups of a Kimi K3 model (training.md §2.4); head sizes come from ``model.config``.
+
+    Muon: every trainable 2-D weight (KDA q/k/v in ``linear_attn_config["head_dim"]`` row blocks; MLA q_b_proj in
+    nope+rope blocks; kv_b_proj in (nope, v) or nope+v blocks; the rest whole), and the stacked experts per expert.
+    AdamW: embeddings, lm_head, conv kernels and the [1, hidden] AttnRes pseudo-queries (with decay), and 1-D tensors
+    (without decay). Buffers such as the router's ``e_score_correction_bias`` are in no group.
+    """
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) != "kimi_k3":
+        raise ValueError(
+            f"build_param_groups needs a Kimi K3 model (config.model_type == 'kimi_k3'), got "
+            f"{type(model).__name__} with model_type={getattr(config, 'model_type', None)!r}."
+        )
+    head_rows = _head_rows_by_layer_type(config, split_kv)
+    expert_rows = {"gate_up_proj": config.moe_intermediate_size,
+                   "down_proj": config.routed_expert_hidden_size or config.hidden_size}
+    by_tag, tagged_layer_types = defaultdict(list), set()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            tag, layer_type = _group_tag(name, p, config, head_rows, expert_rows)
+            by_tag[tag].append(p)
+            tagged_layer_types.add(layer_type)
+    _require_head_blocks(head_rows, set(config.layer_types) - tagged_layer_types)
+    groups = [{"params": params, **dict(tag)} for tag, params in by_tag.items()]
+    for group in groups:
+        if not group["use_muon"] and adamw_lr is not None:
+            group["lr"] = adamw_lr
+        group.setdefault("weight_decay", weight_decay)
+    return groups
+
+
+def _head_rows_by_layer_type(config, split_kv):
+    mla_rows = config.qk_nope_head_dim + config.qk_rope_head_dim
+    kv_rows = (config.qk_nope_head_dim, config.v_head_dim) if split_kv else config.qk_nope_head_dim + config.v_head_dim
+    return {
+        "linear_attention": dict.fromkeys(_KDA_HEAD_PROJS, config.linear_attn_config["head_dim"]),
+        "full_attention": {**dict.fromkeys(_MLA_QUERY_PROJS, mla_rows), "kv_b_proj": kv_rows},
+    }
+
+
+def _group_tag(name, p, config, head_rows, expert_rows):
+    """(hashable group keys, layer type whose head rows tag the parameter or None) of one named parameter."""
+    if p.ndim < 2:
+        return (("use_muon", False), ("weight_decay", 0.0)), None
+    if "embed_tokens" in name or "lm_head" in name or name.endswith("_res_proj.weight"):
+        return (("use_muon", False),), None
+    layer = _LAYER_PARAM.search(name)
+    if layer is not None:
+        layer_type = config.layer_types[int(layer.group(1))]
+        rows = head_rows[layer_type].get(layer.group(2))
+        if rows is not None:
+            return (("use_muon", True), ("head_rows", rows)), layer_type
+    module, weight = name.rsplit(".", 2)[-2:]
+    if p.ndim == 3 and module == "experts" and weight in expert_rows:
+        return (("use_muon", True), ("expert_rows", expert_rows[weight])), None
+    return (("use_muon", p.ndim == 2),), None
+
+
+def _require_head_blocks(head_rows, untagged_layer_types):
+    """A config whose KDA/MLA q/k/v were not found would leave Per-Head Muon inert (training.md §5.3.6)."""
+    missing = sorted(untagged_layer_types - {None})
+    if missing:
+        names = {layer_type: sorted(head_rows[layer_type]) for layer_type in missing}
+        raise ValueError(
+            f"The config has {missing} layers but none of their per-head projections "
+            f"(layers.<i>.self_attn.<name>.weight, names {names}) is a trainable parameter of the model, so "
+            f"Per-Head Muon would be inert."
+        )
+
+
+class PerHeadMuonFactory:
+    """Trainer factory: ``Trainer(optimizer_cls_and_kwargs=(PerHeadMuonFactory, kwargs))`` calls
+    ``PerHeadMuonFactory()(model, **kwargs)`` (hf-integration.md §3.1); kwargs are those of
+    :meth:`PerHeadMuon.for_model`."""
+
+    def __call__(self, model, **kwargs):
+        return PerHeadMuon.for_model(model, **kwargs)
