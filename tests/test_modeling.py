@@ -490,8 +490,11 @@ def test_fused_expert_layout_also_loads(tmp_path):
     with safe_open(tmp_path / "model.safetensors", "pt") as f:
         assert "model.layers.1.block_sparse_moe.experts.gate_up_proj" in set(f.keys())
     reloaded = KimiK3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    for (name, a), (_, b) in zip(model.state_dict().items(), reloaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    # Memory-mapped fused tensors take transformers' grouped_mm fallback kernel: equal up to summation order.
     ids = torch.randint(0, 97, (1, 8))
-    assert torch.equal(model(ids).logits, reloaded(ids).logits)
+    torch.testing.assert_close(model(ids).logits, reloaded(ids).logits, rtol=1e-5, atol=1e-6)
 
 
 def test_router_logits_and_layer_outputs_can_be_recorded():
