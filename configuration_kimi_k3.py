@@ -9,6 +9,7 @@ Defaults describe a small model that trains on a CPU in minutes while keeping ev
 import copy
 
 from transformers.configuration_utils import PreTrainedConfig
+from transformers.generation import GenerationConfig
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
@@ -23,9 +24,16 @@ AUTO_MAP = {
     "AutoModel": "modeling_kimi_k3.KimiK3Model",
     "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForCausalLM",
 }
-# Keys of the released multimodal wrapper that describe the vision side or serving-time quantization only.
-_WRAPPER_ONLY_KEYS = ("vision_config", "media_placeholder_token_id", "image_placeholder", "ignore_index")
-_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# Keys of the released multimodal wrapper that describe the vision side, the wrapper's own remote-code classes or
+# serving-time quantization only.
+_WRAPPER_ONLY_KEYS = (
+    "vision_config",
+    "media_placeholder_token_id",
+    "image_placeholder",
+    "ignore_index",
+    "auto_map",
+    "quantization_config",
+)
 
 
 def _small_linear_attn_config() -> dict:
@@ -146,13 +154,20 @@ class KimiK3Config(PreTrainedConfig):
         """Take the text part of a released multimodal ``config.json`` (architecture.md §1.1).
 
         Text fields override the wrapper's; token ids missing from the text part are carried over from the wrapper.
-        The text part's own ``model_type``/``architectures``/``auto_map`` point at the release's remote code and
-        ``quantization_config`` describes the MXFP4 expert storage, which the loader dequantizes itself.
+        ``model_type``/``architectures``/``auto_map`` (wrapper and text part) point at the release's remote code and
+        ``quantization_config`` describes the MXFP4 expert storage, which the loader dequantizes itself. Wrapper keys
+        this class does not know are kept as attributes, as for any config, and logged.
         """
         if not isinstance(text_config, dict):
             text_config = text_config.to_dict()
         text_config = copy.deepcopy(text_config)
         dropped = [key for key in _WRAPPER_ONLY_KEYS if kwargs.pop(key, None) is not None]
+        if self.architectures is not None:
+            dropped.append("architectures")
+            self.architectures = None
+        unknown = sorted(key for key in kwargs if not _handled_by_pretrained_config(key))
+        if unknown:
+            logger.warning(f"Kept unrecognised keys of the released wrapper config as attributes: {unknown}")
         for key in ("model_type", "architectures", "auto_map", "quantization_config", "transformers_version"):
             if text_config.pop(key, None) is not None:
                 dropped.append(f"text_config.{key}")
@@ -160,7 +175,7 @@ class KimiK3Config(PreTrainedConfig):
         for key, value in text_config.items():
             if key in fields or key in self.attribute_map:
                 setattr(self, key, value)
-            elif key not in kwargs or key not in _TOKEN_ID_KEYS:
+            else:
                 kwargs[key] = value
         # The wrapper's layer lists are absent; recompute from the text part's linear_attn_config.
         self.layer_types = None
@@ -378,6 +393,12 @@ class KimiK3Config(PreTrainedConfig):
                     f"`router_balancing='quantile_balancing'` routes with top-(k+1): `num_experts_per_token + 1` "
                     f"({self.num_experts_per_token + 1}) must be <= `num_experts` ({self.num_experts})."
                 )
+
+
+def _handled_by_pretrained_config(key: str) -> bool:
+    """Keys `PreTrainedConfig` consumes itself: its attributes, private plumbing and generation defaults."""
+    generation_defaults = GenerationConfig._get_default_generation_params()
+    return key.startswith("_") or hasattr(PreTrainedConfig, key) or key in generation_defaults
 
 
 def _require_positive_int(name: str, value) -> None:

@@ -1,0 +1,325 @@
+"""Conversion between our ``save_pretrained`` layout and the released Kimi-K3 layout (architecture.md §1.1, §3).
+
+Released layout: a multimodal wrapper ``config.json`` whose text part is ``text_config``; text tensors under
+``language_model.``; routed experts as MXFP4 ``weight_packed``/``weight_scale`` pairs (`kimi_k3.mxfp4`); KDA
+``A_log`` zero-padded to head_dim. Ours: the flat `KimiK3Config`, ``model.*``/``lm_head.*``, one dense
+``experts.{e}.w1/w2/w3.weight`` per expert, ``A_log`` [num_heads].
+
+Both directions check the input with the loader's own rules (`match_checkpoint_tensors`), plan every output tensor
+from the input headers, then stream: input tensors are read one at a time with one input shard mapped at a time,
+and each output shard is written as soon as it is complete, so peak memory stays near one output shard.
+"""
+
+import json
+import math
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from configuration_kimi_k3 import KimiK3Config
+from kimi_k3.mxfp4 import quantize_mxfp4
+from modeling_kimi_k3 import (
+    MXFP4_GROUP_SIZE,
+    RELEASE_TEXT_PREFIX,
+    ROUTED_EXPERT_WEIGHT,
+    CheckpointEntry,
+    KimiK3ForCausalLM,
+    checkpoint_shapes,
+    dequantize_mxfp4,
+    is_released_layout,
+    match_checkpoint_tensors,
+    read_safetensors_headers,
+)
+
+__all__ = [
+    "DEFAULT_MAX_SHARD_BYTES",
+    "export_released",
+    "import_released",
+    "released_config_dict",
+    "released_tensor_shapes",
+]
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+_SAFETENSORS_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "U8": torch.uint8,
+}
+# The release's `quantization_config` (inside `text_config`, architecture.md §1.2): only routed experts are packed.
+_RELEASED_QUANTIZATION_CONFIG = {
+    "quant_method": "compressed-tensors",
+    "format": "mxfp4-pack-quantized",
+    "quantization_status": "compressed",
+    "config_groups": {
+        "group_0": {
+            "format": "mxfp4-pack-quantized",
+            "targets": ["Linear"],
+            "weights": {
+                "num_bits": 4,
+                "type": "float",
+                "symmetric": True,
+                "strategy": "group",
+                "group_size": MXFP4_GROUP_SIZE,
+                "scale_dtype": "torch.uint8",
+                "dynamic": False,
+                "observer": "minmax",
+            },
+            "input_activations": None,
+            "output_activations": None,
+        }
+    },
+    "ignore": [
+        "re:.*self_attn.*",
+        "re:.*shared_experts.*",
+        r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+        "re:.*lm_head.*",
+        "re:.*vision_tower.*",
+        "re:.*mm_projector.*",
+    ],
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Naming and config
+# ---------------------------------------------------------------------------------------------------------------------
+def released_tensor_shapes(name: str, shape: tuple[int, ...], config: KimiK3Config) -> dict[str, tuple[int, ...]]:
+    """The released tensors (name -> shape) that store our checkpoint tensor ``name`` (architecture.md §3.1-3.3)."""
+    key = RELEASE_TEXT_PREFIX + name
+    if ROUTED_EXPERT_WEIGHT.search(name):
+        rows, columns = shape
+        if columns % MXFP4_GROUP_SIZE:
+            raise ValueError(
+                f"{name} has {columns} input features; MXFP4 groups need a multiple of {MXFP4_GROUP_SIZE} "
+                "(routed_expert_hidden_size for w1/w3, moe_intermediate_size for w2)."
+            )
+        return {f"{key}_packed": (rows, columns // 2), f"{key}_scale": (rows, columns // MXFP4_GROUP_SIZE)}
+    if name.endswith(".A_log"):
+        # Zero-padded to head_dim (§3.2), never truncated.
+        return {key: (max(shape[0], config.linear_attn_config["head_dim"]),)}
+    return {key: shape}
+
+
+def released_config_dict(config: KimiK3Config) -> dict:
+    """The release's multimodal wrapper ``config.json`` around ``config`` as its ``text_config`` (§1.1-1.2)."""
+    text_config = config.to_dict()
+    for local in ("auto_map", "layer_types", "mlp_layer_types", "_name_or_path"):  # ours, derived or machine-local
+        text_config.pop(local, None)
+    text_config.update(
+        model_type="kimi_linear",
+        architectures=["KimiLinearForCausalLM"],
+        quantization_config=_RELEASED_QUANTIZATION_CONFIG,
+    )
+    shared = ("bos_token_id", "eos_token_id", "pad_token_id", "dtype", "tie_word_embeddings", "transformers_version")
+    return {
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "model_type": "kimi_k3",
+        **{key: text_config[key] for key in shared if key in text_config},
+        "text_config": text_config,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The two directions
+# ---------------------------------------------------------------------------------------------------------------------
+def export_released(
+    source: str | Path, target: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = True
+) -> list[str]:
+    """Our ``save_pretrained`` folder -> the released layout; returns the written shard file names."""
+    source, target = Path(source), _empty_folder(target)
+    config = KimiK3Config.from_pretrained(source)
+    entries, read = _open_checkpoint(source)
+    if is_released_layout(entries):
+        raise ValueError(f"{source} is already in the released layout (`language_model.` / `weight_packed` tensors).")
+    expected = _checkpoint_shapes(config)
+    sources = match_checkpoint_tensors(entries, expected, read)
+    steps = [
+        _export_step(name, stored, expected[name], entries, read, config)
+        for name, stored in _in_shard_order(sources, entries)
+    ]
+    shards = _write_checkpoint(steps, target, max_shard_bytes, progress, desc="to released layout")
+    (target / "config.json").write_text(json.dumps(released_config_dict(config), indent=2, sort_keys=True) + "\n")
+    _copy_auxiliary_files(source, target)
+    return shards
+
+
+def import_released(
+    source: str | Path, target: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = True
+) -> list[str]:
+    """A released-layout folder -> our ``save_pretrained`` layout; returns the written shard file names.
+
+    MXFP4 experts are dequantized to the config's dtype (bf16 in the release, where it is exact); every other tensor
+    keeps its stored dtype. Vision and projector tensors are dropped.
+    """
+    source, target = Path(source), _empty_folder(target)
+    config = KimiK3Config.from_pretrained(source)
+    entries, read = _open_checkpoint(source)
+    if not is_released_layout(entries):
+        raise ValueError(f"{source} is not in the released layout (no `language_model.` or `weight_packed` tensors).")
+    expected = _checkpoint_shapes(config)
+    sources = match_checkpoint_tensors(entries, expected, read)
+    dense_dtype = config.dtype or torch.bfloat16
+    steps = [
+        _import_step(name, stored, expected[name], entries, read, dense_dtype)
+        for name, stored in _in_shard_order(sources, entries)
+    ]
+    shards = _write_checkpoint(steps, target, max_shard_bytes, progress, desc="to our layout")
+    config.architectures = [KimiK3ForCausalLM.__name__]
+    config.save_pretrained(target)
+    _copy_auxiliary_files(source, target)
+    return shards
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Planning: one step per checkpoint tensor of ours, with the output tensors it becomes
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Step:
+    outputs: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    make: Callable[[], dict[str, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.outputs.values())
+
+
+def _export_step(name, stored, shape, entries, read, config) -> _Step:
+    planned = released_tensor_shapes(name, shape, config)
+    if ROUTED_EXPERT_WEIGHT.search(name):
+        outputs = {key: (packed_shape, torch.uint8) for key, packed_shape in planned.items()}
+        return _Step(outputs, lambda: dict(zip(planned, quantize_mxfp4(_model_tensor(read, stored, shape), name=name))))
+    ((key, released_shape),) = planned.items()
+    dtype = _torch_dtype(entries, stored[0])
+
+    def make() -> dict[str, torch.Tensor]:
+        tensor = _model_tensor(read, stored, shape)
+        # Only A_log changes shape: zero padding at the end (architecture.md §3.2).
+        return {key: tensor if released_shape == shape else F.pad(tensor, (0, released_shape[0] - shape[0]))}
+
+    return _Step({key: (released_shape, dtype)}, make)
+
+
+def _import_step(name, stored, shape, entries, read, dense_dtype) -> _Step:
+    dtype = dense_dtype if len(stored) == 2 else _torch_dtype(entries, stored[0])
+    return _Step({name: (shape, dtype)}, lambda: {name: _model_tensor(read, stored, shape, dtype)})
+
+
+def _model_tensor(read, stored: tuple[str, ...], shape: tuple[int, ...], dtype=torch.float32) -> torch.Tensor:
+    """The tensor as the model holds it: dequantized when stored as MXFP4, narrowed when stored zero-padded."""
+    if len(stored) == 2:
+        return dequantize_mxfp4(read(stored[0]), read(stored[1]), dtype)
+    tensor = read(stored[0])
+    if tuple(tensor.shape) != shape:  # A_log stored zero-padded (architecture.md §3.2)
+        tensor = tensor[: shape[0]]
+    # safetensors hands out views of the mapped file: copy, so that no output keeps an input shard mapped.
+    return tensor.clone()
+
+
+def _checkpoint_shapes(config: KimiK3Config) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        return checkpoint_shapes(KimiK3ForCausalLM(config))
+
+
+def _in_shard_order(sources: dict, entries: dict[str, CheckpointEntry]) -> list[tuple[str, tuple[str, ...]]]:
+    """Sort by input shard so that reading maps each shard once."""
+    shard_rank = {path: rank for rank, path in enumerate(dict.fromkeys(entry.path for entry in entries.values()))}
+    return sorted(sources.items(), key=lambda item: shard_rank[entries[item[1][0]].path])
+
+
+def _torch_dtype(entries: dict[str, CheckpointEntry], name: str) -> torch.dtype:
+    stored = entries[name].dtype
+    if stored not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"{name} has dtype {stored}; supported: {sorted(_SAFETENSORS_DTYPES)}.")
+    return _SAFETENSORS_DTYPES[stored]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reading and writing
+# ---------------------------------------------------------------------------------------------------------------------
+class _ShardReader:
+    """Reads checkpoint tensors by name, keeping a single input shard mapped at a time."""
+
+    def __init__(self, entries: dict[str, CheckpointEntry]):
+        self.entries = entries
+        self._path, self._shard = None, None
+
+    def __call__(self, name: str) -> torch.Tensor:
+        path = self.entries[name].path
+        if path != self._path:
+            self._shard = None  # unmap the previous shard before mapping the next
+            self._shard, self._path = safe_open(path, framework="pt"), path
+        return self._shard.get_tensor(name)
+
+
+def _open_checkpoint(folder: Path) -> tuple[dict[str, CheckpointEntry], _ShardReader]:
+    index = folder / SAFE_WEIGHTS_INDEX_NAME
+    if index.is_file():
+        shard_names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [str(folder / shard_name) for shard_name in shard_names]
+    elif (folder / SAFE_WEIGHTS_NAME).is_file():
+        files = [str(folder / SAFE_WEIGHTS_NAME)]
+    else:
+        raise FileNotFoundError(f"{folder} holds no {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME}.")
+    entries = read_safetensors_headers(files)
+    return entries, _ShardReader(entries)
+
+
+def _write_checkpoint(steps: list[_Step], folder: Path, max_shard_bytes: int, progress: bool, desc: str) -> list[str]:
+    """Write the steps' outputs in shards of at most ``max_shard_bytes`` (a step never straddles two shards)."""
+    shards = _group_into_shards(steps, max_shard_bytes)
+    count = len(shards)
+    names = [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+    names = names if count > 1 else [SAFE_WEIGHTS_NAME]
+    total_bytes = sum(step.nbytes for step in steps)
+    weight_map = {}
+    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc=desc, disable=not progress) as bar:
+        for shard_name, shard_steps in zip(names, shards):
+            tensors = {}
+            for step in shard_steps:
+                tensors.update(step.make())
+                bar.update(step.nbytes)
+            save_file(tensors, str(folder / shard_name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(tensors, shard_name))
+            del tensors
+    if count > 1:
+        index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+        (folder / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return names
+
+
+def _group_into_shards(steps: list[_Step], max_shard_bytes: int) -> list[list[_Step]]:
+    if max_shard_bytes < 1:
+        raise ValueError(f"`max_shard_bytes` must be a positive number of bytes, got {max_shard_bytes}.")
+    shards, size = [[]], 0
+    for step in steps:
+        if shards[-1] and size + step.nbytes > max_shard_bytes:
+            shards, size = [*shards, []], 0
+        shards[-1].append(step)
+        size += step.nbytes
+    return shards
+
+
+def _empty_folder(folder: str | Path) -> Path:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if any(folder.iterdir()):
+        raise ValueError(f"The output folder {folder} is not empty; stale shards would mix with the new ones.")
+    return folder
+
+
+def _copy_auxiliary_files(source: Path, target: Path) -> None:
+    """Tokenizer, generation config, card: everything but weights, configs and code (each layout has its own)."""
+    for path in source.iterdir():
+        skipped = path.name in ("config.json", SAFE_WEIGHTS_INDEX_NAME) or path.suffix in (".safetensors", ".py")
+        if path.is_file() and not skipped:
+            shutil.copy2(path, target / path.name)
