@@ -1,0 +1,416 @@
+"""Pre-train or fine-tune a Kimi K3 model with ``transformers.Trainer``: ``kimi-k3-train`` / ``scripts/train.py``.
+
+``main`` reads top-down: arguments -> data -> tokenizer -> model -> optimizer and callbacks -> Trainer -> save, card,
+push. The defaults train the default ``KimiK3Config()`` on the embedded corpus in a few minutes on a 2-core CPU with
+Per-Head Muon and Quantile Balancing. Every ``TrainingArguments`` option can be given on the command line.
+"""
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import datasets
+import torch
+from transformers import HfArgumentParser, Trainer, TrainingArguments, default_data_collator, set_seed
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
+
+from configuration_kimi_k3 import KimiK3Config
+from modeling_kimi_k3 import KimiK3ForCausalLM
+
+from . import hub
+from .balance_metrics import load_balance_metrics
+from .data import load_corpus, tokenize_into_blocks
+from .model_card import TrainingSummary, render_model_card
+from .muon import PerHeadMuonFactory
+from .quantile_balancing import QuantileBalancingCallback, find_routers
+from .tokenizer import check_tokenizer_fits, load_tokenizer, train_bpe_tokenizer
+
+OPTIMIZERS = ("per_head_muon", "adamw")
+FINAL_MODEL_DIR = "model"
+# TrainingArguments defaults of this script (any of them can still be given on the command line): about 150 steps
+# of 8 x 128 tokens, a few minutes on 2 CPU cores.
+TRAINING_DEFAULTS = {
+    "output_dir": "outputs/kimi-k3-small",
+    "max_steps": 150,
+    "per_device_train_batch_size": 8,
+    "per_device_eval_batch_size": 16,
+    "learning_rate": 3e-3,
+    "weight_decay": 0.1,
+    "adam_beta2": 0.95,
+    "warmup_steps": 10,
+    "lr_scheduler_type": "cosine",
+    "logging_steps": 10,
+    "logging_first_step": True,
+    "eval_strategy": "steps",
+    "eval_steps": 50,
+    "save_strategy": "steps",
+    "save_steps": 50,
+    "save_total_limit": 2,
+    "seed": 0,
+    "report_to": "none",
+    # Router statistics are per-rank buffers; DDP's buffer broadcast would overwrite them (hf-integration.md §3.3).
+    "ddp_broadcast_buffers": False,
+}
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Fine-tune this saved Kimi K3 folder instead of training a new model."}
+    )
+    tokenizer_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Use this tokenizer folder instead of the model folder's or a newly trained one."},
+    )
+    tokenizer_vocab_size: int = field(
+        default=4096, metadata={"help": "Vocabulary size of the byte-level BPE trained on the training split."}
+    )
+    config_overrides: str | None = field(
+        default=None,
+        metadata={"help": 'JSON object of KimiK3Config fields for a new model, e.g. \'{"hidden_size": 128}\'.'},
+    )
+    optimizer: str = field(
+        default="per_head_muon",
+        metadata={"help": "per_head_muon (Muon for matrices, AdamW for the rest) or adamw (TrainingArguments.optim).",
+                  "choices": OPTIMIZERS},
+    )
+    quantile_balancing: bool = field(
+        default=True,
+        metadata={"help": "Update the router bias with Quantile Balancing; --no_quantile_balancing only logs loads."},
+    )
+
+
+@dataclass
+class DataArguments:
+    data_files: list[str] | None = field(
+        default=None,
+        metadata={"help": "Text, JSON(-lines) or parquet files, or one `save_to_disk` folder; default: embedded "
+                          "Python documentation."},
+    )
+    text_column: str = field(default="text", metadata={"help": "Column holding the documents in --data_files."})
+    validation_split_percentage: float = field(
+        default=5.0, metadata={"help": "Share of documents held out for evaluation when there is no validation split."}
+    )
+    block_size: int = field(default=128, metadata={"help": "Tokens per training sequence."})
+
+
+class UsageError(ValueError):
+    """Arguments that contradict each other or the state of the output folder."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Trainer
+# ---------------------------------------------------------------------------------------------------------------------
+class KimiK3Trainer(Trainer):
+    """``Trainer`` whose checkpoints appear atomically, resume every weight, and whose evaluations report perplexity."""
+
+    _staging_run_dir: Path | None = None
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "eval_loss" in logs:
+            logs["eval_perplexity"] = perplexity(logs["eval_loss"])
+        super().log(logs, start_time)
+
+    def _get_output_dir(self, trial) -> str:
+        if self._staging_run_dir is not None:
+            return str(self._staging_run_dir)
+        return super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Write ``checkpoint-N`` under a hidden staging folder, then rename it into place.
+
+        A failure midway leaves no ``checkpoint-N`` behind, so ``--resume_from_checkpoint True`` still finds the
+        previous, complete one. The staging name is fixed so that every rank writes its RNG state into it.
+        """
+        run_dir = Path(super()._get_output_dir(trial))
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging = run_dir / f".staging-{name}"
+        if self.args.should_save:
+            shutil.rmtree(staging, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        self._staging_run_dir = staging
+        try:
+            super()._save_checkpoint(model, trial)
+            self.accelerator.wait_for_everyone()
+            if self.args.should_save:
+                self._publish_checkpoint(staging / name, run_dir / name)
+        finally:
+            self._staging_run_dir = None
+            if self.args.should_save:
+                shutil.rmtree(staging, ignore_errors=True)
+
+    def _publish_checkpoint(self, staged: Path, target: Path) -> None:
+        best = self.state.best_model_checkpoint
+        if best is not None and Path(best) == staged:
+            # The best checkpoint was recorded under its staging path; point the state at its final place.
+            self.state.best_model_checkpoint = str(target)
+            self.state.save_to_json(str(staged / "trainer_state.json"))
+        replace_folder(staged, target)
+        rotate_checkpoints(
+            output_dir=str(target.parent),
+            save_total_limit=self.args.save_total_limit,
+            best_model_checkpoint=self.state.best_model_checkpoint,
+            use_mtime=True,
+        )
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """Load through ``from_pretrained`` and a strict ``load_state_dict``.
+
+        Trainer's own loader reads model.safetensors with a non-strict ``load_state_dict``, which skips (with a mere
+        warning) the released per-expert keys that ``save_pretrained`` writes (hf-integration.md §2.7): the experts
+        would keep their current values, on resume and for ``load_best_model_at_end``.
+        """
+        model = self.model if model is None else model
+        saved = type(model).from_pretrained(resume_from_checkpoint, config=model.config)
+        model.load_state_dict(saved.state_dict())
+
+    def _load_best_model(self) -> None:
+        self._load_from_checkpoint(self.state.best_model_checkpoint)
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else math.inf
+
+
+def replace_folder(staged: Path, target: Path) -> None:
+    """Move a completely written folder to ``target``; an existing ``target`` stays whole until it is replaced.
+
+    Both renames stay inside one parent folder, so each is atomic; between them the old folder sits complete under
+    a hidden backup name.
+    """
+    backup = target.with_name(f".{target.name}.replaced")
+    shutil.rmtree(backup, ignore_errors=True)
+    if target.exists():
+        os.rename(target, backup)
+    os.rename(staged, target)
+    shutil.rmtree(backup, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Steps of main()
+# ---------------------------------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None) -> tuple[ModelArguments, DataArguments, TrainingArguments]:
+    parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))
+    parser.set_defaults(**TRAINING_DEFAULTS)
+    return parser.parse_args_into_dataclasses(args=argv)
+
+
+def publish_settings(training_args: TrainingArguments) -> tuple[str, str] | None:
+    """(repo id, token) when the run ends with a push, checked before any training; ``--hub_model_id`` implies it.
+
+    Trainer's own push is switched off: it would upload checkpoints with the generic card (hf-integration.md §1.5).
+    """
+    if not (training_args.push_to_hub or training_args.hub_model_id):
+        return None
+    token = hub.resolve_token(training_args.hub_token)
+    repo_id = training_args.hub_model_id or Path(training_args.output_dir).name
+    training_args.push_to_hub = False
+    return repo_id, token
+
+
+def resolve_checkpoint(training_args: TrainingArguments) -> str | None:
+    """The checkpoint to resume (``True``/``last``: the newest in --output_dir); a fresh run needs a clean folder."""
+    output_dir = training_args.output_dir
+    requested = training_args.resume_from_checkpoint
+    last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    if requested is None:
+        if last is not None:
+            raise UsageError(
+                f"--output_dir {output_dir} already holds checkpoints of another run ({last}); pass "
+                "--resume_from_checkpoint True to continue it, or choose a new --output_dir"
+            )
+        return None
+    checkpoint = last if requested.lower() in ("true", "last") else requested
+    if checkpoint is None:
+        raise UsageError(f"--resume_from_checkpoint {requested}: no checkpoint-N folder in {output_dir}")
+    if not os.path.isfile(os.path.join(checkpoint, "trainer_state.json")):
+        raise UsageError(f"--resume_from_checkpoint {requested}: {checkpoint} is not a Trainer checkpoint folder")
+    return checkpoint
+
+
+def build_tokenizer(model_args: ModelArguments, train_texts: list[str], checkpoint: str | None):
+    """The resumed checkpoint's tokenizer, else the one given, else the fine-tuned model's, else a new BPE."""
+    source = checkpoint or model_args.tokenizer_name_or_path or model_args.model_name_or_path
+    if source is not None:
+        return load_tokenizer(source)
+    return train_bpe_tokenizer(train_texts, model_args.tokenizer_vocab_size)
+
+
+def build_model(model_args: ModelArguments, tokenizer, checkpoint: str | None) -> KimiK3ForCausalLM:
+    """A new model sized by the tokenizer, the fine-tuned folder, or the resumed checkpoint's architecture.
+
+    A resumed model gets its weights from ``KimiK3Trainer._load_from_checkpoint``, together with the optimizer state.
+    """
+    overrides = json.loads(model_args.config_overrides) if model_args.config_overrides else {}
+    if not isinstance(overrides, dict):
+        raise UsageError(f"--config_overrides must be a JSON object, got {model_args.config_overrides!r}")
+    overrides["router_balancing"] = "quantile_balancing" if model_args.quantile_balancing else "none"
+    if checkpoint is not None:
+        model = KimiK3ForCausalLM(KimiK3Config.from_pretrained(checkpoint, **overrides))
+    elif model_args.model_name_or_path is not None:
+        model = KimiK3ForCausalLM.from_pretrained(model_args.model_name_or_path, **overrides)
+    else:
+        token_ids = {
+            "vocab_size": len(tokenizer),
+            "pad_token_id": tokenizer.pad_token_id,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+        }
+        model = KimiK3ForCausalLM(KimiK3Config(**{**token_ids, **overrides}))
+    check_tokenizer_fits(tokenizer, model.config)
+    return model
+
+
+def optimizer_and_callbacks(model_args: ModelArguments, training_args: TrainingArguments, model):
+    """Per-Head Muon through Trainer's optimizer-factory hook (or Trainer's own AdamW), and the balancing callback."""
+    optimizer_cls_and_kwargs = None
+    if model_args.optimizer == "per_head_muon":
+        optimizer_cls_and_kwargs = (
+            PerHeadMuonFactory,
+            {
+                "lr": training_args.learning_rate,
+                "weight_decay": training_args.weight_decay,
+                "adamw_betas": (training_args.adam_beta1, training_args.adam_beta2),
+                "adamw_eps": training_args.adam_epsilon,
+            },
+        )
+    callbacks = []
+    if find_routers(model):
+        update_rule = "quantile" if model_args.quantile_balancing else "none"
+        callbacks.append(QuantileBalancingCallback(model, update_rule=update_rule, per_layer_metrics=False))
+    return optimizer_cls_and_kwargs, callbacks
+
+
+def build_trainer(model, tokenizer, blocks, training_args, optimizer_cls_and_kwargs, callbacks) -> KimiK3Trainer:
+    return KimiK3Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=blocks["train"],
+        eval_dataset=blocks["validation"],
+        processing_class=tokenizer,
+        data_collator=default_data_collator,
+        optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+        callbacks=callbacks,
+    )
+
+
+@torch.no_grad()
+def measure_expert_load(model, blocks: datasets.Dataset, batch_size: int) -> dict[str, dict[str, float]]:
+    """Per-layer load-balance metrics of the final routing (bias included) over held-out blocks.
+
+    Routers record statistics only in training forwards, so the routes are read off their outputs with hooks.
+    """
+    routers = find_routers(model)
+    loads = {name: torch.zeros(router.num_experts, dtype=torch.long) for name, router in routers.items()}
+
+    def count_routes(name):
+        def hook(router, inputs, outputs):
+            loads[name] += torch.bincount(outputs[2].flatten().cpu(), minlength=router.num_experts)
+
+        return hook
+
+    handles = [router.register_forward_hook(count_routes(name)) for name, router in routers.items()]
+    model.eval()
+    try:
+        for start in range(0, len(blocks), batch_size):
+            input_ids = torch.tensor(blocks[start : start + batch_size]["input_ids"], device=model.device)
+            model(input_ids=input_ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: load_balance_metrics(loads[name], router.e_score_correction_bias) for name, router in routers.items()}
+
+
+def training_summary(trainer, model_args, data_description, blocks, block_size, eval_metrics, wall_time):
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    args = trainer.args
+    return TrainingSummary(
+        data=data_description,
+        train_tokens=len(blocks["train"]) * block_size,
+        eval_tokens=len(blocks["validation"]) * block_size,
+        block_size=block_size,
+        steps=trainer.state.global_step,
+        global_batch_size=args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size,
+        optimizer="Per-Head Muon + AdamW" if model_args.optimizer == "per_head_muon" else f"AdamW ({args.optim})",
+        learning_rate=args.learning_rate,
+        router_balancing=trainer.model.config.router_balancing,
+        first_loss=losses[0] if losses else math.nan,
+        last_loss=losses[-1] if losses else math.nan,
+        eval_loss=eval_metrics["eval_loss"],
+        eval_perplexity=eval_metrics["eval_perplexity"],
+        wall_time_s=wall_time,
+        base_model=model_args.model_name_or_path,
+    )
+
+
+def save_final_model(model, tokenizer, card, target: Path) -> Path:
+    """Model, code, tokenizer and card written to a sibling staging folder, then swapped in (see replace_folder)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(f".staging-{target.name}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        card.save(staging / "README.md")
+        replace_folder(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def print_report(summary: TrainingSummary, model_dir: Path) -> None:
+    print(
+        f"first training loss {summary.first_loss:.4f} -> last {summary.last_loss:.4f}; "
+        f"final eval loss {summary.eval_loss:.4f}, eval perplexity {summary.eval_perplexity:.2f}; "
+        f"{summary.steps} steps in {summary.wall_time_s:.0f} s; model saved to {model_dir}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    """Run the job. Bad input exits with status 2 and a one-line message, before anything is written."""
+    start = time.perf_counter()
+    datasets.disable_progress_bars()
+    try:
+        model_args, data_args, training_args = parse_args(argv)
+        publish = publish_settings(training_args)
+        checkpoint = resolve_checkpoint(training_args)
+        set_seed(training_args.seed)  # Trainer seeds only in its constructor, after the model is initialised
+
+        splits, data_description = load_corpus(
+            data_args.data_files, data_args.text_column, data_args.validation_split_percentage
+        )
+        tokenizer = build_tokenizer(model_args, splits["train"]["text"], checkpoint)
+        blocks = tokenize_into_blocks(splits, tokenizer, data_args.block_size)
+        model = build_model(model_args, tokenizer, checkpoint)
+        optimizer_cls_and_kwargs, callbacks = optimizer_and_callbacks(model_args, training_args, model)
+        trainer = build_trainer(model, tokenizer, blocks, training_args, optimizer_cls_and_kwargs, callbacks)
+    except ValueError as error:
+        print(f"kimi-k3-train: error: {error}", file=sys.stderr)
+        return 2
+
+    trainer.train(resume_from_checkpoint=checkpoint)
+    eval_metrics = trainer.evaluate()
+    if not trainer.is_world_process_zero():
+        return 0
+
+    layer_balance = measure_expert_load(trainer.model, blocks["validation"], training_args.per_device_eval_batch_size)
+    summary = training_summary(
+        trainer, model_args, data_description, blocks, data_args.block_size, eval_metrics, time.perf_counter() - start
+    )
+    card = render_model_card(trainer.model, publish[0] if publish else Path(training_args.output_dir).name, summary,
+                             layer_balance)
+    model_dir = save_final_model(trainer.model, tokenizer, card, Path(training_args.output_dir) / FINAL_MODEL_DIR)
+    print_report(summary, model_dir)
+    if publish:
+        repo_id, token = publish
+        pushed = hub.push_folder(model_dir, repo_id, hub.HfApi(token=token), private=training_args.hub_private_repo)
+        print(f"pushed {model_dir} to {pushed}")
+    return 0

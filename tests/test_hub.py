@@ -1,0 +1,138 @@
+"""Publishing through the standard hub client, against a local stand-in for the hub: what is uploaded, that the card
+is ours, and that the uploaded folder reloads with trust_remote_code and generates what the local folder does."""
+
+import inspect
+import re
+import runpy
+import shutil
+from pathlib import Path
+
+import huggingface_hub
+import pytest
+from huggingface_hub import HfApi, ModelCard, RepoUrl
+from huggingface_hub.utils import filter_repo_objects
+
+from kimi_k3 import hub
+from tests.test_train import generate_in_fresh_process, run_main, sampled_continuation, tiny_args, write_corpus
+
+REPO = Path(__file__).resolve().parents[1]
+REPO_ID = "someone/kimi-k3-tiny"
+MODEL_FILES = {
+    "README.md", "config.json", "configuration_kimi_k3.py", "generation_config.json", "model.safetensors",
+    "modeling_kimi_k3.py", "tokenizer.json", "tokenizer_config.json",
+}  # fmt: skip
+
+
+class FakeHfApi:
+    """Stand-in for ``huggingface_hub.HfApi``: each repo is a folder under ``root``, each upload a recorded commit.
+
+    Calls are checked against the real methods' signatures, so the code under test cannot drift from the client.
+    """
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.calls: list[tuple[str, dict]] = []
+
+    def _record(self, name: str, *args, **kwargs) -> None:
+        inspect.signature(getattr(HfApi, name)).bind(self, *args, **kwargs)
+        self.calls.append((name, kwargs))
+
+    def create_repo(self, repo_id, **kwargs):
+        self._record("create_repo", repo_id, **kwargs)
+        (self.root / repo_id).mkdir(parents=True, exist_ok=kwargs.get("exist_ok", False))
+        return RepoUrl(f"https://huggingface.co/{repo_id}")
+
+    def upload_folder(self, **kwargs):
+        self._record("upload_folder", **kwargs)
+        folder = Path(kwargs["folder_path"])
+        files = [str(path.relative_to(folder)) for path in folder.rglob("*") if path.is_file()]
+        for name in filter_repo_objects(
+            files, allow_patterns=kwargs.get("allow_patterns"), ignore_patterns=kwargs.get("ignore_patterns")
+        ):
+            target = self.root / kwargs["repo_id"] / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(folder / name, target)
+
+
+@pytest.fixture
+def fake_hub(tmp_path, monkeypatch) -> FakeHfApi:
+    api = FakeHfApi(tmp_path / "hub")
+    monkeypatch.setattr(hub, "HfApi", lambda token: api)
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token")
+    return api
+
+
+@pytest.fixture(scope="module")
+def pushed(tmp_path_factory):
+    """A 2-step run with ``--push_to_hub``: (local run folder, remote repo folder, fake hub)."""
+    root = tmp_path_factory.mktemp("push")
+    api = FakeHfApi(root / "hub")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hub, "HfApi", lambda token: api)
+        patch.setenv("HF_TOKEN", "hf_test_token")
+        args = tiny_args(root / "run", write_corpus(root), "--max_steps", "2", "--save_steps", "1")
+        status, printed = run_main([*args, "--eval_strategy", "no", "--push_to_hub", "--hub_model_id", REPO_ID])
+    assert status == 0 and f"pushed {root / 'run' / 'model'} to {REPO_ID}" in printed
+    return root / "run", api.root / REPO_ID, api
+
+
+def push_script_main():
+    return runpy.run_path(str(REPO / "scripts" / "push_to_hub.py"))["main"]
+
+
+def test_push_uploads_code_config_weights_tokenizer_and_our_card(pushed):
+    run, remote, api = pushed
+    assert [name for name, _ in api.calls] == ["create_repo", "upload_folder"]
+    assert {path.name for path in remote.iterdir()} == MODEL_FILES
+    assert (remote / "README.md").read_bytes() == (run / "model" / "README.md").read_bytes()
+    card = ModelCard.load(remote / "README.md")
+    assert card.data.model_name == REPO_ID and {"custom_code", "kimi_k3", "moe"} <= set(card.data.tags)
+    assert "Model Card for Model ID" not in card.text and "## Expert load balance" in card.text
+
+
+def test_pushed_folder_reloads_with_remote_code_and_generates_same_tokens(pushed, tmp_path):
+    run, remote, _ = pushed
+    assert generate_in_fresh_process(remote, tmp_path) == sampled_continuation(run / "model")
+
+
+def test_push_script_publishes_checkpoint_with_new_card_and_without_trainer_state(pushed, fake_hub, tmp_path):
+    checkpoint = tmp_path / "checkpoint-2"
+    shutil.copytree(pushed[0] / "checkpoint-2", checkpoint)
+    assert {"optimizer.pt", "rng_state.pth", "trainer_state.json"} <= {path.name for path in checkpoint.iterdir()}
+
+    assert push_script_main()([str(checkpoint), "--repo_id", "someone/checkpoint", "--private"]) == 0
+    remote = fake_hub.root / "someone" / "checkpoint"
+    assert {path.name for path in remote.iterdir()} == MODEL_FILES
+    assert fake_hub.calls[0] == ("create_repo", {"private": True, "exist_ok": True})
+    card = ModelCard.load(remote / "README.md")
+    assert "kimi_k3" in card.data.tags and "| total |" in card.text and "## Training" not in card.text
+
+
+@pytest.mark.parametrize(
+    "spoil, message",
+    [
+        (lambda folder: (folder / "modeling_kimi_k3.py").unlink(), "missing ['modeling_kimi_k3.py']"),
+        (lambda folder: (folder / "README.md").write_text("# Model Card for Model ID\n"), "not a Kimi K3 model card"),
+    ],
+    ids=["incomplete folder", "generic card"],
+)
+def test_push_refuses_unpublishable_folder_before_creating_the_repo(pushed, fake_hub, tmp_path, spoil, message):
+    folder = tmp_path / "model"
+    shutil.copytree(pushed[0] / "model", folder)
+    spoil(folder)
+    with pytest.raises(hub.HubError, match=re.escape(message)):
+        hub.push_folder(folder, REPO_ID, fake_hub)
+    assert fake_hub.calls == []
+
+
+def test_push_script_without_token_exits_nonzero_and_writes_nothing(pushed, tmp_path, monkeypatch, capsys):
+    for variable in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    checkpoint = tmp_path / "checkpoint-2"
+    shutil.copytree(pushed[0] / "checkpoint-2", checkpoint)
+    before = sorted(path.name for path in checkpoint.iterdir())
+
+    assert push_script_main()([str(checkpoint), "--repo_id", REPO_ID]) == 2
+    assert "needs a token" in capsys.readouterr().err
+    assert sorted(path.name for path in checkpoint.iterdir()) == before

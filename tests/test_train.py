@@ -1,0 +1,328 @@
+"""The training job end to end at toy size: loss falls, folders reload in a fresh process, resume is bit-exact,
+saving is atomic, and bad input stops the job before anything is written."""
+
+import contextlib
+import io
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import huggingface_hub
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+from kimi_k3 import data, train
+from kimi_k3.model_card import render_model_card
+from kimi_k3.tokenizer import load_tokenizer, train_bpe_tokenizer
+from modeling_kimi_k3 import KimiK3ForCausalLM
+
+REPO = Path(__file__).resolve().parents[1]
+# KimiK3Config overrides for a 9-layer model with every K3 block at toy widths (vocab_size comes from the tokenizer).
+TINY_MODEL = {
+    "hidden_size": 32,
+    "num_attention_heads": 2,
+    "q_lora_rank": 16,
+    "kv_lora_rank": 12,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 8,
+    "linear_attn_config": {
+        "kda_layers": [1, 2, 3, 5, 6, 7],
+        "full_attn_layers": [4, 8, 9],
+        "num_heads": 2,
+        "head_dim": 8,
+        "short_conv_kernel_size": 4,
+        "gate_lower_bound": -5.0,
+        "use_full_rank_gate": True,
+    },
+    "intermediate_size": 48,
+    "num_experts": 8,
+    "num_experts_per_token": 2,
+    "num_shared_experts": 1,
+    "moe_intermediate_size": 16,
+    "routed_expert_hidden_size": 24,
+    "qb_num_bins": 64,
+}
+PROMPT = "The with statement"
+SAMPLING = ["--max_new_tokens", "12", "--do_sample", "--temperature", "1.0", "--top_k", "50", "--seed", "0"]
+# Runs in `python -I` with the installed code blocked, so only the folder's own files can serve the Auto classes.
+GENERATE_IN_FRESH_PROCESS = """
+import runpy, sys
+for name in ("modeling_kimi_k3", "configuration_kimi_k3", "kimi_k3"):
+    sys.modules[name] = None
+script = sys.argv.pop()
+sys.argv = ["generate.py", *sys.argv[1:]]
+runpy.run_path(script, run_name="__main__")
+assert any(name.startswith("transformers_modules.") and name.endswith(".modeling_kimi_k3") for name in sys.modules)
+"""
+
+
+def write_corpus(folder: Path) -> Path:
+    corpus = folder / "corpus.txt"
+    corpus.write_text("\n".join(data.reference_topics()[:12]))
+    return corpus
+
+
+def tiny_args(output_dir: Path, corpus: Path, *extra: str) -> list[str]:
+    """CLI arguments of an 8-step toy run: eval and a checkpoint every 4 steps, the loss logged every step."""
+    return [
+        "--output_dir", str(output_dir), "--data_files", str(corpus), "--config_overrides", json.dumps(TINY_MODEL),
+        "--tokenizer_vocab_size", "300", "--block_size", "32", "--per_device_train_batch_size", "4",
+        "--per_device_eval_batch_size", "16", "--learning_rate", "1e-2", "--warmup_steps", "0", "--max_steps", "8",
+        "--save_steps", "4", "--eval_steps", "4", "--logging_steps", "1", "--disable_tqdm", "True", *extra,
+    ]  # fmt: skip
+
+
+def run_main(argv: list[str]) -> tuple[int, str]:
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        status = train.main(argv)
+    return status, stdout.getvalue()
+
+
+def sampled_continuation(folder: Path) -> str:
+    """What scripts/generate.py prints with SAMPLING, computed in this process with the installed code.
+
+    Sampled rather than greedy: a model trained for 8 steps greedily repeats its most frequent token.
+    """
+    tokenizer = load_tokenizer(folder)
+    model = KimiK3ForCausalLM.from_pretrained(folder).eval()
+    inputs = tokenizer(PROMPT, return_tensors="pt")
+    torch.manual_seed(0)
+    output = model.generate(**inputs, max_new_tokens=12, do_sample=True, temperature=1.0, top_k=50)
+    return tokenizer.decode(output[0], skip_special_tokens=True)
+
+
+def generate_in_fresh_process(folder: Path, workdir: Path) -> str:
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    env.update(HF_HOME=str(workdir / "hf-fresh"), HF_HUB_OFFLINE="1")
+    args = [str(folder), "--prompt", PROMPT, *SAMPLING, str(REPO / "scripts/generate.py")]
+    result = subprocess.run(
+        [sys.executable, "-I", "-c", GENERATE_IN_FRESH_PROCESS, *args],
+        cwd=workdir, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.removesuffix("\n")
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(folder / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One toy run shared by the tests below: (run folder, corpus, printed report, trainer log history)."""
+    root = tmp_path_factory.mktemp("train")
+    corpus = write_corpus(root)
+    status, printed = run_main(tiny_args(root / "run", corpus))
+    assert status == 0
+    state = json.loads((root / "run" / "checkpoint-8" / "trainer_state.json").read_text())
+    return root / "run", corpus, printed, state["log_history"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Data and tokenizer
+# ---------------------------------------------------------------------------------------------------------------------
+def test_embedded_corpus_is_deterministic_and_holds_out_disjoint_documents():
+    first, second = data.embedded_corpus(), data.embedded_corpus()
+    assert first["text"] == second["text"]
+    assert len(first) > 500 and sum(map(len, first["text"])) > 500_000
+    splits = data.train_validation_split(first, 5)
+    assert len(splits["validation"]) == math.ceil(0.05 * len(first))
+    assert len(splits["train"]) + len(splits["validation"]) == len(first)
+    assert not set(splits["train"]["text"]) & set(splits["validation"]["text"])
+    assert splits["validation"]["text"] == data.train_validation_split(second, 5)["validation"]["text"]
+
+
+def test_bpe_tokenizer_round_trips_any_text_and_reloads_with_autotokenizer(tmp_path):
+    tokenizer = train_bpe_tokenizer(data.reference_topics()[:20], vocab_size=400)
+    assert len(tokenizer) == 400
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
+    text = "def f(x):\n    return x ** 2  # naïve ✓ 数"
+    ids = tokenizer(text)["input_ids"]
+    assert tokenizer.decode(ids) == text
+    tokenizer.save_pretrained(tmp_path)
+    assert AutoTokenizer.from_pretrained(tmp_path)(text)["input_ids"] == ids
+
+
+def test_blocks_are_full_and_join_documents_with_eos():
+    tokenizer = train_bpe_tokenizer(["aa bb cc"] * 10, vocab_size=300)
+    document = tokenizer("aa bb cc")["input_ids"] + [tokenizer.eos_token_id]
+    splits = data.train_validation_split(data.datasets.Dataset.from_dict({"text": ["aa bb cc"] * 40}), 10)
+    blocks = data.tokenize_into_blocks(splits, tokenizer, block_size=8)
+    assert len(blocks["train"]) == 36 * len(document) // 8 and len(blocks["validation"]) == 4 * len(document) // 8
+    assert blocks["train"]["labels"] == blocks["train"]["input_ids"]
+    stream = [token for block in blocks["train"]["input_ids"] for token in block]
+    assert stream == (document * 36)[: len(stream)]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Training, reloading, model card
+# ---------------------------------------------------------------------------------------------------------------------
+def test_training_lowers_loss_and_reports_eval_perplexity(trained):
+    run, _, printed, history = trained
+    losses = [entry["loss"] for entry in history if "loss" in entry]
+    evals = [entry for entry in history if "eval_loss" in entry]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.3
+    assert [entry["step"] for entry in evals] == [4, 8]
+    assert evals[1]["eval_loss"] < evals[0]["eval_loss"]
+    assert all(entry["eval_perplexity"] == pytest.approx(math.exp(entry["eval_loss"])) for entry in evals)
+    assert f"first training loss {losses[0]:.4f} -> last {losses[-1]:.4f}" in printed
+    assert f"eval perplexity {math.exp(evals[-1]['eval_loss']):.2f}" in printed
+    assert any("balance/max_vio" in entry for entry in history)
+    assert sorted(path.name for path in run.iterdir()) == ["checkpoint-4", "checkpoint-8", "model"]
+
+
+def test_saved_folder_generates_in_fresh_process_through_auto_classes(trained, tmp_path):
+    model_dir = trained[0] / "model"
+    assert {"configuration_kimi_k3.py", "modeling_kimi_k3.py", "tokenizer.json", "README.md"} <= {
+        path.name for path in model_dir.iterdir()
+    }
+    expected = sampled_continuation(model_dir)
+    assert expected.startswith(PROMPT) and expected.removeprefix(PROMPT).strip()
+    assert generate_in_fresh_process(model_dir, tmp_path) == expected
+
+
+def test_model_card_states_metadata_parameter_counts_and_results(trained):
+    from huggingface_hub import ModelCard
+
+    run, _, _, history = trained
+    card = ModelCard.load(run / "model" / "README.md")
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
+    assert {"custom_code", "kimi_k3", "moe"} <= set(card.data.tags)
+    model = KimiK3ForCausalLM.from_pretrained(run / "model")
+    config = model.config
+    total = sum(p.numel() for p in model.parameters())
+    # 8 MoE layers x E experts x (gate + up + down) = 8 * 8 * 3 * 16 * 24; a token uses k = 2 of the 8.
+    routed = 8 * config.num_experts * 3 * config.moe_intermediate_size * config.routed_expert_hidden_size
+    active = total - config.vocab_size * config.hidden_size - routed * 6 // 8
+    assert f"| routed experts | {routed:,} |" in card.text
+    assert f"| total | {total:,} |" in card.text and f"**{active:,}**" in card.text
+    final_eval = [entry for entry in history if "eval_loss" in entry][-1]
+    assert f"| final eval loss | {final_eval['eval_loss']:.3f} |" in card.text
+    assert card.text.count("| layer_") == 8
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Resume and atomic saving
+# ---------------------------------------------------------------------------------------------------------------------
+def test_resume_after_interruption_matches_uninterrupted_run_bit_exactly(trained, tmp_path, monkeypatch):
+    uninterrupted, corpus, _, _ = trained
+    training_step = train.KimiK3Trainer.training_step
+
+    def dies_after_checkpoint_4(self, *args, **kwargs):
+        if self.state.global_step == 5:
+            raise KeyboardInterrupt("simulated interruption")
+        return training_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(train.KimiK3Trainer, "training_step", dies_after_checkpoint_4)
+    with pytest.raises(KeyboardInterrupt):
+        run_main(tiny_args(tmp_path / "run", corpus))
+    assert sorted(path.name for path in (tmp_path / "run").iterdir()) == ["checkpoint-4"]
+    monkeypatch.setattr(train.KimiK3Trainer, "training_step", training_step)
+
+    assert run_main(tiny_args(tmp_path / "run", corpus, "--resume_from_checkpoint", "True"))[0] == 0
+    expected, resumed = weights(uninterrupted / "model"), weights(tmp_path / "run" / "model")
+    assert expected.keys() == resumed.keys()
+    assert all(torch.equal(expected[key], resumed[key]) for key in expected)
+    bias = resumed["model.layers.1.block_sparse_moe.gate.e_score_correction_bias"]
+    assert bias.abs().max() > 0  # Quantile Balancing moved the bias, and it was restored exactly
+    expected_state = torch.load(uninterrupted / "checkpoint-8" / "optimizer.pt")["state"]
+    resumed_state = torch.load(tmp_path / "run" / "checkpoint-8" / "optimizer.pt")["state"]
+    assert expected_state.keys() == resumed_state.keys()
+    assert all(
+        torch.equal(expected_state[param][name], resumed_state[param][name])
+        for param in expected_state
+        for name in expected_state[param]
+    )
+
+
+def test_failed_save_leaves_previous_checkpoint_and_model_loadable(trained, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    shutil.copytree(trained[0], run)
+    before = {name: weights(run / name) for name in ("checkpoint-8", "model")}
+
+    def dies_midway(state_dict, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * 1000)
+        raise OSError("disk full (simulated)")
+
+    model = KimiK3ForCausalLM.from_pretrained(run / "model")
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", dies_midway)
+    with pytest.raises(OSError, match="simulated"):
+        run_main(tiny_args(run, trained[1], "--resume_from_checkpoint", "True", "--max_steps", "12"))
+    with pytest.raises(OSError, match="simulated"):
+        card = render_model_card(model, "tiny")
+        train.save_final_model(model, load_tokenizer(run / "model"), card, run / "model")
+
+    assert sorted(path.name for path in run.iterdir()) == ["checkpoint-4", "checkpoint-8", "model"]
+    for name, tensors in before.items():
+        reloaded = KimiK3ForCausalLM.from_pretrained(run / name).state_dict()
+        assert weights(run / name).keys() == tensors.keys()
+        assert torch.equal(reloaded["lm_head.weight"], tensors["lm_head.weight"])
+
+
+def test_adamw_without_quantile_balancing_trains_and_leaves_router_bias_at_zero(trained, tmp_path):
+    extra = ["--optimizer", "adamw", "--no_quantile_balancing", "--max_steps", "2"]
+    assert run_main(tiny_args(tmp_path / "run", trained[1], *extra))[0] == 0
+    assert "AdamW" in (tmp_path / "run" / "model" / "README.md").read_text()
+    saved = weights(tmp_path / "run" / "model")
+    biases = [tensor for key, tensor in saved.items() if key.endswith("e_score_correction_bias")]
+    assert len(biases) == 8 and all(torch.count_nonzero(bias) == 0 for bias in biases)
+    config = json.loads((tmp_path / "run" / "model" / "config.json").read_text())
+    assert config["router_balancing"] == "none"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Bad input: a clear message, a non-zero status, nothing written
+# ---------------------------------------------------------------------------------------------------------------------
+def bigger_tokenizer(folder: Path) -> str:
+    train_bpe_tokenizer(data.reference_topics()[:20], vocab_size=400).save_pretrained(folder)
+    return str(folder)
+
+
+BAD_INPUTS = {
+    "missing data file": (lambda run, tmp: ["--data_files", str(tmp / "nope.txt")], "no such file"),
+    "empty corpus": (lambda run, tmp: ["--data_files", str(write_blank(tmp))], "corpus is empty"),
+    "tokenizer larger than the model vocab": (
+        lambda run, tmp: ["--model_name_or_path", f"{run}/model", "--tokenizer_name_or_path", bigger_tokenizer(tmp)],
+        "vocab_size is 300",
+    ),
+    "hub id without a token": (lambda run, tmp: ["--hub_model_id", "someone/kimi-k3-tiny"], "needs a token"),
+    "resume without a checkpoint": (lambda run, tmp: ["--resume_from_checkpoint", "True"], "no checkpoint-N folder"),
+    "bad config override": (lambda run, tmp: ["--config_overrides", '{"hidden_act": "tanh"}'], "`hidden_act` must be"),
+}
+
+
+def write_blank(folder: Path) -> Path:
+    blank = folder / "blank.txt"
+    blank.write_text("\n   \n\n")
+    return blank
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_exits_nonzero_with_message_and_writes_nothing(case, trained, tmp_path, monkeypatch, capsys):
+    for variable in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    extra, message = BAD_INPUTS[case]
+    args = tiny_args(tmp_path / "out", trained[1]) + extra(trained[0], tmp_path)
+    status = train.main(args)
+    assert status == 2
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last_line.startswith("kimi-k3-train: error:") and message in last_line
+    assert not (tmp_path / "out").exists()
+
+
+def test_fresh_run_refuses_output_dir_holding_another_runs_checkpoints(trained, capsys):
+    run = trained[0]
+    before = sorted(path.name for path in run.iterdir())
+    assert train.main(tiny_args(run, trained[1])) == 2
+    assert "--resume_from_checkpoint True" in capsys.readouterr().err
+    assert sorted(path.name for path in run.iterdir()) == before
