@@ -46,8 +46,8 @@ def histogram_range(bias: torch.Tensor, num_bins: int) -> tuple[torch.Tensor, to
 
 def required_bias_histogram(required_bias: torch.Tensor, bias: torch.Tensor, num_bins: int) -> torch.Tensor:
     """Counts of r [T, n] per expert in ``num_bins`` uniform bins over ``histogram_range(bias)``: [n, B] int64."""
-    lo, width = histogram_range(bias, num_bins)
-    bins = ((required_bias - lo) / width).floor().clamp(0, num_bins - 1).long()
+    low, width = histogram_range(bias, num_bins)
+    bins = ((required_bias - low) / width).floor().clamp(0, num_bins - 1).long()
     num_experts = bins.shape[-1]
     flat = bins + torch.arange(num_experts, device=bins.device) * num_bins
     return torch.bincount(flat.flatten(), minlength=num_experts * num_bins).view(num_experts, num_bins)
@@ -76,8 +76,8 @@ def histogram_quantile(
     inside = hist.gather(-1, first)
     before = cum.gather(-1, first) - inside
     frac = ((target - before) / inside.clamp(min=1)).clamp(0, 1) if interpolate else torch.zeros_like(target)
-    lo, width = histogram_range(bias, num_bins)
-    return (lo.double() + (first + frac).squeeze(-1) * width.double()).to(bias.dtype)
+    low, width = histogram_range(bias, num_bins)
+    return (low.double() + (first + frac).squeeze(-1) * width.double()).to(bias.dtype)
 
 
 def exact_quantile(required_bias: torch.Tensor, top_k: int) -> torch.Tensor:
