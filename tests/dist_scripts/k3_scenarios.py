@@ -1,0 +1,275 @@
+"""Training scenarios run both in one process (the references, from the tests) and in 2 launched processes.
+
+Launched as ``accelerate launch --config_file configs/accelerate_ddp.yaml tests/dist_scripts/k3_scenarios.py WORK``
+(repository root on PYTHONPATH), every rank runs :func:`main`: DDP through ``Trainer``, a DDP resume of the
+single-process checkpoint, Quantile Balancing statistics, a raw FSDP2 loop, and ``Trainer`` on models sharded by
+transformers at load time (FSDP2, then FSDP2 with expert parallelism). Rank 0 writes the results to
+``WORK/distributed.pt``. The tests put ``config.json``, the initial model (``initial/``) and the single-process
+checkpoints into ``WORK`` first.
+
+Every scenario splits one global batch of ``GLOBAL_BATCH`` sequences per step into ``MICRO_BATCH``-sequence
+micro-batches, consumed by ranks (DDP, FSDP) or accumulated in one process. Both then compute the same
+per-micro-batch gradients and add them in the same order, so the runs agree bitwise (see test_distributed.py).
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import TrainerCallback, TrainingArguments, default_data_collator
+
+from configuration_kimi_k3 import KimiK3Config
+from kimi_k3.distributed import (
+    FullyShardedPerHeadMuon,
+    full_state_dict,
+    load_full_state_dict,
+    save_pretrained_full,
+    shard_decoder_layers,
+    sharded_loading_config,
+)
+from kimi_k3.muon import PerHeadMuon
+from kimi_k3.quantile_balancing import QuantileBalancingCallback, all_reduce_sum, find_routers
+from kimi_k3.train import KimiK3Trainer
+from modeling_kimi_k3 import KimiK3ForCausalLM
+
+WORLD_SIZE = 2
+MICRO_BATCH = 2
+GLOBAL_BATCH = WORLD_SIZE * MICRO_BATCH
+SEQUENCE_LENGTH = 16
+STEPS = 4
+SAVE_STEPS = 2
+LEARNING_RATE = 1e-2
+# Between the tiny model's per-head max logits (about 0.015-0.026): QK-Clip rescales some heads and leaves others.
+QK_CLIP_TAU = 0.02
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Model and data
+# ---------------------------------------------------------------------------------------------------------------------
+def build_model(config: KimiK3Config) -> KimiK3ForCausalLM:
+    torch.manual_seed(0)
+    return KimiK3ForCausalLM(config).train()
+
+
+def token_sequences(config: KimiK3Config) -> torch.Tensor:
+    """STEPS global batches of random tokens, [STEPS * GLOBAL_BATCH, SEQUENCE_LENGTH]."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(config.vocab_size, (STEPS * GLOBAL_BATCH, SEQUENCE_LENGTH), generator=generator)
+
+
+def micro_batches(config: KimiK3Config, ranks=range(WORLD_SIZE)) -> list[list[torch.Tensor]]:
+    """Per step, the micro-batches of ``ranks``: micro-batch ``i`` of a step is rank ``i``'s share of it."""
+    steps = token_sequences(config).view(STEPS, WORLD_SIZE, MICRO_BATCH, SEQUENCE_LENGTH)
+    return [[step[rank] for rank in ranks] for step in steps]
+
+
+def router_biases(model) -> torch.Tensor:
+    return torch.stack([router.e_score_correction_bias for router in find_routers(model).values()]).clone()
+
+
+def assert_replicated(tensor: torch.Tensor, what: str) -> None:
+    """Every rank holds bitwise the same ``tensor`` (no-op in one process)."""
+    if not dist.is_initialized():
+        return
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, tensor)
+    for rank, other in enumerate(gathered):
+        if not torch.equal(other, tensor):
+            raise AssertionError(f"{what} differs between rank {dist.get_rank()} and rank {rank}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Trainer (DDP when launched on several processes)
+# ---------------------------------------------------------------------------------------------------------------------
+class StepRecorder(TrainerCallback):
+    """Losses, this rank's max MLA logits and the router biases of every optimizer step; checks that every rank ends
+    the step with the same bias.
+
+    Registered after :class:`QuantileBalancingCallback`, so ``on_step_end`` sees the bias the step solved.
+    """
+
+    def __init__(self):
+        self.losses, self.logit_maxima, self.biases = [], [], []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        maxima = [module.attn_logit_max for module in model.modules() if hasattr(module, "attn_logit_max")]
+        self.logit_maxima.append(torch.stack(maxima).clone())
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        biases = router_biases(model)
+        assert_replicated(biases, f"router bias after step {state.global_step}")
+        self.biases.append(biases)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if "loss" in logs:
+            self.losses.append(logs["loss"])
+
+
+def train_with_trainer(
+    config,
+    output_dir,
+    *,
+    gradient_accumulation_steps,
+    micro_batch=MICRO_BATCH,
+    model=None,
+    qk_clip_tau=QK_CLIP_TAU,
+    save_steps=SAVE_STEPS,
+    resume_from_checkpoint=None,
+) -> dict:
+    """Per-Head Muon and Quantile Balancing through ``Trainer`` for STEPS steps; ``save_steps=None`` saves nothing.
+
+    ``Trainer`` normalizes the loss by the label count of the whole global batch (over micro-batches and ranks),
+    and DDP averages what each rank's ``world_size``-scaled loss gives: both add up to the same gradient. ``model``
+    defaults to :func:`build_model`; a model sharded at load time gets :class:`FullyShardedPerHeadMuon`.
+    """
+    sequences = token_sequences(config)
+    model = build_model(config) if model is None else model.train()
+    sharded = getattr(model, "is_distributed_loading_by_transformers", False)
+    optimizer_class = FullyShardedPerHeadMuon if sharded else PerHeadMuon
+    args = TrainingArguments(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=micro_batch,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        max_steps=STEPS,
+        learning_rate=LEARNING_RATE,
+        logging_steps=1,
+        save_strategy="no" if save_steps is None else "steps",
+        save_steps=save_steps or STEPS,
+        seed=0,
+        use_cpu=True,
+        report_to="none",
+        disable_tqdm=True,
+        ddp_broadcast_buffers=False,
+        # Layer 0's self-attention AttnRes projection and norm have no earlier block to weigh: never in the graph.
+        ddp_find_unused_parameters=True,
+    )
+    recorder = StepRecorder()
+    trainer = KimiK3Trainer(
+        model=model,
+        args=args,
+        train_dataset=[{"input_ids": row, "labels": row} for row in sequences],
+        data_collator=default_data_collator,
+        # Trainer's factory hook calls `factory()(model, **kwargs)` (hf-integration.md §3.1).
+        optimizer_cls_and_kwargs=(lambda: optimizer_class.for_model, {"lr": LEARNING_RATE, "qk_clip_tau": qk_clip_tau}),
+        callbacks=[QuantileBalancingCallback(model, per_layer_metrics=False), recorder],
+    )
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+    return {
+        "world_size": args.world_size,
+        "losses": recorder.losses,
+        "logit_maxima": torch.stack(recorder.logit_maxima),
+        "biases": torch.stack(recorder.biases),
+        "state": full_state_dict(model) if sharded else {name: t.clone() for name, t in model.state_dict().items()},
+    }
+
+
+def train_sharded_at_load_time(config, work: Path, expert_parallel_size: int = 1) -> dict:
+    """``Trainer`` on the initial model loaded FSDP2-sharded over all ranks (experts split ``expert_parallel_size``
+    ways). Without QK-Clip, which rescales rows of plain tensors only."""
+    model = KimiK3ForCausalLM.from_pretrained(
+        work / "initial", distributed_config=sharded_loading_config(WORLD_SIZE, expert_parallel_size)
+    )
+    experts = model.model.layers[1].block_sparse_moe.experts
+    local_experts = experts.gate_up_proj.to_local().shape[0]
+    output_dir = work / f"sharded_ep{expert_parallel_size}"
+    result = train_with_trainer(config, output_dir, gradient_accumulation_steps=1, model=model, qk_clip_tau=None,
+                                save_steps=None)
+    return {**result, "local_experts": local_experts}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Raw loop (FSDP2 when the model is sharded)
+# ---------------------------------------------------------------------------------------------------------------------
+def train_raw(model, optimizer, steps: list[list[torch.Tensor]]) -> dict:
+    """One optimizer step and one Quantile Balancing update per entry of ``steps`` (this process's micro-batches).
+
+    Each micro-batch loss is a mean over its tokens divided by the number of micro-batches, the division by the
+    number of ranks being FSDP's gradient average: the gradient of the global-batch mean either way.
+    """
+    balancing = QuantileBalancingCallback(model)
+    losses, biases = [], []
+    for batches in steps:
+        loss = torch.zeros(())
+        for input_ids in batches:
+            micro_loss = model(input_ids=input_ids, labels=input_ids).loss / len(batches)
+            micro_loss.backward()
+            loss += micro_loss.detach()
+        optimizer.step()
+        optimizer.zero_grad()
+        balancing.update(model)
+        if dist.is_initialized():
+            dist.all_reduce(loss)
+            loss /= dist.get_world_size()
+        biases.append(router_biases(model))
+        assert_replicated(biases[-1], f"router bias after step {len(biases)}")
+        losses.append(loss.item())
+    return {"losses": losses, "biases": torch.stack(biases)}
+
+
+def train_single_process_raw(config) -> dict:
+    model = build_model(config)
+    result = train_raw(model, PerHeadMuon.for_model(model, lr=LEARNING_RATE), micro_batches(config))
+    return {**result, "state": model.state_dict()}
+
+
+def train_fully_sharded(config, save_directory) -> dict:
+    """FSDP2 per decoder layer over all ranks, each rank training on its own micro-batch of every step."""
+    model = shard_decoder_layers(build_model(config))
+    shapes = {name: (tuple(param.to_local().shape), tuple(param.shape)) for name, param in model.named_parameters()}
+    optimizer = FullyShardedPerHeadMuon.for_model(model, lr=LEARNING_RATE)
+    result = train_raw(model, optimizer, micro_batches(config, ranks=[dist.get_rank()]))
+    save_pretrained_full(model, save_directory)
+    return {**result, "state": full_state_dict(model), "local_and_full_shapes": shapes}
+
+
+def load_into_fully_sharded(config, checkpoint: Path) -> dict:
+    """The full state dict of a freshly sharded model after loading a single-process checkpoint into it."""
+    model = shard_decoder_layers(build_model(config))
+    load_full_state_dict(model, KimiK3ForCausalLM.from_pretrained(checkpoint).state_dict())
+    return full_state_dict(model)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Quantile Balancing statistics
+# ---------------------------------------------------------------------------------------------------------------------
+def pooled_histograms_and_bias(config, batches: list[torch.Tensor]) -> dict:
+    """Training forwards over ``batches``, then this process's histograms, the pooled ones and the solved bias."""
+    model = build_model(config)
+    balancing = QuantileBalancingCallback(model)
+    for input_ids in batches:
+        model(input_ids=input_ids)
+    local = torch.stack([router.qb_histogram for router in find_routers(model).values()]).clone()
+    (pooled,) = all_reduce_sum([local])
+    balancing.update(model)
+    return {"local": local, "pooled": pooled, "bias": router_biases(model)}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Launched entry point
+# ---------------------------------------------------------------------------------------------------------------------
+def main(work: Path) -> None:
+    config = KimiK3Config.from_json_file(work / "config.json")
+    ddp = train_with_trainer(config, work / "ddp", gradient_accumulation_steps=1)
+    if ddp["world_size"] != WORLD_SIZE or dist.get_world_size() != WORLD_SIZE:
+        raise RuntimeError(f"expected {WORLD_SIZE} processes, Trainer saw world_size={ddp['world_size']}")
+    rank = dist.get_rank()
+    assert_replicated(torch.cat([tensor.flatten().float() for tensor in ddp["state"].values()]), "DDP weights")
+    resumed = train_with_trainer(
+        config, work / "ddp_resumed", gradient_accumulation_steps=1,
+        resume_from_checkpoint=str(work / "single" / f"checkpoint-{SAVE_STEPS}"),
+    )
+    # Two micro-batches per rank: the first two steps' shares of this rank.
+    balancing = pooled_histograms_and_bias(config, [step[0] for step in micro_batches(config, ranks=[rank])[:2]])
+    fsdp = train_fully_sharded(config, work / "fsdp_model")
+    fsdp_loaded = load_into_fully_sharded(config, work / "single" / f"checkpoint-{STEPS}")
+    sharded_at_load = train_sharded_at_load_time(config, work)
+    expert_parallel = train_sharded_at_load_time(config, work, expert_parallel_size=WORLD_SIZE)
+    if rank == 0:
+        results = {"ddp": ddp, "ddp_resumed": resumed, "balancing": balancing, "fsdp": fsdp, "fsdp_loaded": fsdp_loaded,
+                   "sharded_at_load": sharded_at_load, "expert_parallel": expert_parallel}
+        torch.save(results, work / "distributed.pt")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
