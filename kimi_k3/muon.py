@@ -291,7 +291,8 @@ def _require_head_blocks(head_rows, untagged_layer_types):
 class PerHeadMuonFactory:
     """Trainer factory: ``Trainer(optimizer_cls_and_kwargs=(PerHeadMuonFactory, kwargs))`` calls
     ``PerHeadMuonFactory()(model, **kwargs)`` (hf-integration.md §3.1); kwargs are those of
-    :meth:`PerHeadMuon.for_model`."""
+    :meth:`PerHeadMuon.for_model`. Trainer does not pass ``TrainingArguments.learning_rate`` or ``weight_decay`` to a
+    factory, so give ``lr`` and ``weight_decay`` in kwargs."""
 
     def __call__(self, model, **kwargs):
         return PerHeadMuon.for_model(model, **kwargs)
