@@ -502,3 +502,18 @@ def test_router_logits_and_layer_outputs_can_be_recorded():
     out = model(torch.randint(0, 97, (2, 5)), output_router_logits=True, output_hidden_states=True)
     assert len(out.router_logits) == 8 and out.router_logits[0].shape == (10, 8)
     assert len(out.hidden_states) == 1 + model.config.num_hidden_layers
+
+
+def test_plain_load_state_dict_accepts_the_released_per_expert_layout(tmp_path):
+    """Trainer resumes a checkpoint with ``model.load_state_dict(load_file(...))``: experts must not stay random."""
+    from safetensors.torch import load_file
+
+    source = build(dtype=torch.float32)
+    source.save_pretrained(tmp_path)
+    on_disk = load_file(tmp_path / "model.safetensors")
+    assert "model.layers.1.block_sparse_moe.experts.0.w1.weight" in on_disk
+    target = KimiK3ForCausalLM(tiny_config())
+    result = target.load_state_dict(on_disk, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    for (name, a), (_, b) in zip(source.state_dict().items(), target.state_dict().items()):
+        assert torch.equal(a, b), name
