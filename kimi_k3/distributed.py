@@ -1,13 +1,12 @@
-"""Sharded (FSDP2) training of Kimi K3: per-layer ``fully_shard`` and a Per-Head Muon that sees whole blocks.
+"""Sharded (FSDP2) training of Kimi K3: per-layer ``fully_shard``, sharded loading, full state dicts.
 
 Data-parallel training (DDP through ``Trainer``/``accelerate``) needs nothing from this module: the model keeps its
 router statistics in buffers, so ``TrainingArguments(ddp_broadcast_buffers=False)`` plus the one SUM all-reduce of
 ``QuantileBalancingCallback`` keep every rank's bias identical (hf-integration.md §3.3, training.md §1.10).
 
-FSDP2 stores every parameter as a ``DTensor`` sharded along dim 0. Momentum, weight decay and AdamW are elementwise
-and run on the local shards as they are, but Newton–Schulz normalizes and multiplies whole matrices: per head block
-for Per-Head Muon (training.md §2.6), and a shard boundary generally cuts through a head. So each Muon parameter's
-update is all-gathered, orthogonalized on whole blocks, and every rank keeps its own rows of the result.
+FSDP2 stores every parameter as a ``DTensor`` sharded along dim 0. :class:`~kimi_k3.muon.PerHeadMuon` (and so
+``PerHeadMuonFactory`` in ``Trainer``) takes such parameters as they are: it all-gathers each Muon update before
+Newton–Schulz, whose head blocks a shard boundary would otherwise cut (training.md §2.6).
 
 Two ways to shard: :func:`shard_decoder_layers` on a model built in memory (what ``accelerate``'s FSDP2 plugin does
 on GPUs with ``configs/accelerate_fsdp2.yaml``), or transformers' own sharding while loading a saved model,
@@ -21,10 +20,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate
 from transformers.distributed import DistributedConfig
-
-from .muon import PerHeadMuon
 
 # Plans for transformers' sharding at load time. FSDP2: one unit per decoder layer, as in shard_decoder_layers.
 FSDP_PLAN = {"model.layers.*": "free_full_weight"}
@@ -65,23 +61,6 @@ def sharded_loading_config(fsdp_size: int, expert_parallel_size: int = 1) -> Dis
     if expert_parallel_size > 1:
         plans["ep_plan"] = EXPERT_PARALLEL_PLAN
     return DistributedConfig(fsdp_size=fsdp_size, ep_size=expert_parallel_size, **plans)
-
-
-class FullyShardedPerHeadMuon(PerHeadMuon):
-    """:class:`~kimi_k3.muon.PerHeadMuon` for FSDP2-sharded (``DTensor``) parameters.
-
-    Each step all-gathers a Muon parameter's Nesterov update (one collective per parameter) into a replicated
-    ``DTensor``; Newton–Schulz then runs on whole head/expert blocks, redundantly on every rank, and adding the
-    replicated update to the sharded parameter slices it locally, without communication. The momentum stays sharded.
-    Given the same gradients, the result is bitwise the single-process update. Plain tensors pass through, so the
-    optimizer also runs unsharded models.
-    """
-
-    def _nesterov_momentum(self, p, group):
-        update = super()._nesterov_momentum(p, group)
-        if isinstance(update, DTensor):
-            return update.redistribute(placements=[Replicate()] * update.device_mesh.ndim)
-        return update
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

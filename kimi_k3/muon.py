@@ -12,6 +12,10 @@ A Muon group may tag its parameters with
   ``down_proj`` whole).
 
 Every block, of every parameter, that has the same shape goes through one batched Newton–Schulz chain.
+
+Under FSDP2 the parameters are ``DTensor`` shards along dim 0, and a shard boundary generally cuts through a head
+block (training.md §2.6). Momentum, decay and AdamW are elementwise and run on the shards as they are; only the
+Muon update is all-gathered before Newton–Schulz (see :func:`gather_whole_matrix`).
 """
 
 import itertools
@@ -20,6 +24,7 @@ import re
 from collections import defaultdict
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.adamw import adamw
 
 from kimi_k3.qk_clip import QKClip
@@ -81,6 +86,18 @@ def merge_row_blocks(blocks, pattern, shape):
     return merged
 
 
+def gather_whole_matrix(update):
+    """An FSDP2-sharded (``DTensor``) update all-gathered into a replicated ``DTensor``; a plain tensor as it is.
+
+    Newton–Schulz then runs on whole head/expert blocks, redundantly on every rank, and adding the replicated
+    update to the sharded parameter keeps each rank's rows locally, without communication. Given the same
+    gradients the result is bitwise the single-process update.
+    """
+    if isinstance(update, DTensor):
+        return update.redistribute(placements=[Replicate()] * update.device_mesh.ndim)
+    return update
+
+
 def orthogonalize_by_shape(stacks):
     """Run NS5 once per distinct block shape over all ``stacks`` of that shape; returns outputs in input order."""
     by_shape = defaultdict(list)
@@ -105,7 +122,8 @@ class PerHeadMuon(torch.optim.Optimizer):
     Momentum and decay are elementwise, so the state is one buffer per parameter, exactly as for whole-matrix Muon.
     AdamW groups use ``betas``/``eps`` and torch's AdamW arithmetic. ``qk_clip`` (a :class:`QKClip`, set by
     :meth:`for_model`) runs after every step: the clip is part of the K2/K3 update rule, so keeping it in ``step``
-    makes it work in any training loop and fire exactly once per optimizer step.
+    makes it work in any training loop and fire exactly once per optimizer step. Parameters may be FSDP2 ``DTensor``
+    shards (from ``accelerate``'s FSDP2 plugin or transformers' load-time sharding); the update is the same.
     """
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, betas=(0.9, 0.95),
@@ -157,7 +175,8 @@ class PerHeadMuon(torch.optim.Optimizer):
 
     def _muon_step(self, groups):
         jobs = [(p, group, row_pattern(group)) for group in groups for p in group["params"] if p.grad is not None]
-        stacks = [split_row_blocks(self._nesterov_momentum(p, group), pattern) for p, group, pattern in jobs]
+        updates = [gather_whole_matrix(self._nesterov_momentum(p, group)) for p, group, _ in jobs]
+        stacks = [split_row_blocks(update, pattern) for update, (_, _, pattern) in zip(updates, jobs)]
         orthogonal = iter(orthogonalize_by_shape([stack for per_param in stacks for stack in per_param]))
         for (p, group, pattern), per_param in zip(jobs, stacks):
             scaled = [block.to(p.dtype) * _match_rms_scale(block) for _, block in zip(per_param, orthogonal)]

@@ -21,14 +21,13 @@ from transformers import TrainerCallback, TrainingArguments, default_data_collat
 
 from configuration_kimi_k3 import KimiK3Config
 from kimi_k3.distributed import (
-    FullyShardedPerHeadMuon,
     full_state_dict,
     load_full_state_dict,
     save_pretrained_full,
     shard_decoder_layers,
     sharded_loading_config,
 )
-from kimi_k3.muon import PerHeadMuon
+from kimi_k3.muon import PerHeadMuon, PerHeadMuonFactory
 from kimi_k3.quantile_balancing import QuantileBalancingCallback, all_reduce_sum, find_routers
 from kimi_k3.train import KimiK3Trainer
 from modeling_kimi_k3 import KimiK3ForCausalLM
@@ -121,12 +120,11 @@ def train_with_trainer(
 
     ``Trainer`` normalizes the loss by the label count of the whole global batch (over micro-batches and ranks),
     and DDP averages what each rank's ``world_size``-scaled loss gives: both add up to the same gradient. ``model``
-    defaults to :func:`build_model`; a model sharded at load time gets :class:`FullyShardedPerHeadMuon`.
+    defaults to :func:`build_model`; a model sharded at load time trains through the same optimizer factory.
     """
     sequences = token_sequences(config)
     model = build_model(config) if model is None else model.train()
     sharded = getattr(model, "is_distributed_loading_by_transformers", False)
-    optimizer_class = FullyShardedPerHeadMuon if sharded else PerHeadMuon
     args = TrainingArguments(
         output_dir=str(output_dir),
         per_device_train_batch_size=micro_batch,
@@ -150,8 +148,7 @@ def train_with_trainer(
         args=args,
         train_dataset=[{"input_ids": row, "labels": row} for row in sequences],
         data_collator=default_data_collator,
-        # Trainer's factory hook calls `factory()(model, **kwargs)` (hf-integration.md §3.1).
-        optimizer_cls_and_kwargs=(lambda: optimizer_class.for_model, {"lr": LEARNING_RATE, "qk_clip_tau": qk_clip_tau}),
+        optimizer_cls_and_kwargs=(PerHeadMuonFactory, {"lr": LEARNING_RATE, "qk_clip_tau": qk_clip_tau}),
         callbacks=[QuantileBalancingCallback(model, per_layer_metrics=False), recorder],
     )
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
@@ -217,7 +214,7 @@ def train_fully_sharded(config, save_directory) -> dict:
     """FSDP2 per decoder layer over all ranks, each rank training on its own micro-batch of every step."""
     model = shard_decoder_layers(build_model(config))
     shapes = {name: (tuple(param.to_local().shape), tuple(param.shape)) for name, param in model.named_parameters()}
-    optimizer = FullyShardedPerHeadMuon.for_model(model, lr=LEARNING_RATE)
+    optimizer = PerHeadMuon.for_model(model, lr=LEARNING_RATE)
     result = train_raw(model, optimizer, micro_batches(config, ranks=[dist.get_rank()]))
     save_pretrained_full(model, save_directory)
     return {**result, "state": full_state_dict(model), "local_and_full_shapes": shapes}
