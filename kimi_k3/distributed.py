@@ -6,7 +6,8 @@ router statistics in buffers, so ``TrainingArguments(ddp_broadcast_buffers=False
 
 FSDP2 stores every parameter as a ``DTensor`` sharded along dim 0. :class:`~kimi_k3.muon.PerHeadMuon` (and so
 ``PerHeadMuonFactory`` in ``Trainer``) takes such parameters as they are: it all-gathers each Muon update before
-Newton–Schulz, whose head blocks a shard boundary would otherwise cut (training.md §2.6).
+Newton–Schulz, whose head blocks a shard boundary would otherwise cut (training.md §2.6); its QK-Clip scales the
+rows of each rank's shard.
 
 Two ways to shard: :func:`shard_decoder_layers` on a model built in memory (what ``accelerate``'s FSDP2 plugin does
 on GPUs with ``configs/accelerate_fsdp2.yaml``), or transformers' own sharding while loading a saved model,

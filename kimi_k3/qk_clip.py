@@ -14,6 +14,7 @@ L2-normalized.
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 from transformers import TrainerCallback
 
 
@@ -55,13 +56,17 @@ class QKClip:
         return maxima
 
     def _rescale_heads(self, attn, gamma):
-        query = _per_head(_query_up_proj(attn).weight, self.num_heads)
-        key_value = _per_head(attn.kv_b_proj.weight, self.num_heads)
-        gamma = gamma[:, None, None]
-        # In-place products promote to gamma's fp32 and round once into the weight dtype.
-        query[:, : self.nope] *= gamma.sqrt()
-        query[:, self.nope :] *= gamma
-        key_value[:, : self.nope] *= gamma.sqrt()
+        root = gamma.sqrt()
+        query, key_value = _query_up_proj(attn).weight, attn.kv_b_proj.weight
+        _scale_rows(query, self._row_scales(query, root, gamma))
+        _scale_rows(key_value, self._row_scales(key_value, root, torch.ones_like(gamma)))
+
+    def _row_scales(self, weight, nope_scale, rest_scale):
+        """Per-row factors [rows, 1] of a per-head projection: ``nope_scale[h]`` on head h's first ``nope`` rows,
+        ``rest_scale[h]`` on its others (rope rows of q_b_proj, V rows of kv_b_proj)."""
+        rest = weight.shape[0] // self.num_heads - self.nope
+        per_head = torch.cat([nope_scale[:, None].expand(-1, self.nope), rest_scale[:, None].expand(-1, rest)], 1)
+        return per_head.reshape(-1, 1)
 
 
 def clip_factors(logit_max, tau):
@@ -69,8 +74,16 @@ def clip_factors(logit_max, tau):
     return torch.where(logit_max > tau, tau / logit_max, torch.ones_like(logit_max))
 
 
-def _per_head(weight, num_heads):
-    return weight.view(num_heads, -1, weight.shape[-1])
+def _scale_rows(weight, scale):
+    """``weight *= scale`` in place, for a plain weight or an FSDP2 (``DTensor``) shard of one.
+
+    The product promotes to the fp32 scale and rounds once into the weight dtype, and a factor of exactly 1 keeps a
+    row bitwise. A sharded weight takes the column as a replicated ``DTensor``: every rank scales its own rows.
+    """
+    if isinstance(weight, DTensor):
+        placements = [Replicate()] * weight.device_mesh.ndim
+        scale = DTensor.from_local(scale, weight.device_mesh, placements, run_check=False)
+    weight.mul_(scale)
 
 
 def _query_up_proj(attn):

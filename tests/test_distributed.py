@@ -76,7 +76,8 @@ def assert_same_state(actual: dict, expected: dict) -> None:
 
 @pytest.fixture(scope="module")
 def config():
-    return tiny_config(record_attn_logit_max=True)
+    # Three MLA heads over two ranks: a shard boundary cuts through head 1 of q_b_proj and kv_b_proj.
+    return tiny_config(record_attn_logit_max=True, num_attention_heads=3)
 
 
 @pytest.fixture(scope="module")
@@ -91,13 +92,6 @@ def work(tmp_path_factory, config):
 def single_process(work, config):
     """The Trainer reference: 2 accumulated micro-batches per step; its checkpoints seed the 2-process resume."""
     return scenarios.train_with_trainer(config, work / "single", gradient_accumulation_steps=2)
-
-
-@pytest.fixture(scope="module")
-def single_process_without_qk_clip(work, config):
-    """The reference of the runs on models sharded at load time, which cannot clip yet."""
-    return scenarios.train_with_trainer(config, work / "single_without_qk_clip", gradient_accumulation_steps=2,
-                                        qk_clip_tau=None, save_steps=None)
 
 
 @pytest.fixture(scope="module")
@@ -189,14 +183,18 @@ def test_quantile_balancing_pools_histograms_over_ranks_and_micro_batches_bit_id
 # ---------------------------------------------------------------------------------------------------------------------
 # FSDP2 (raw loop: accelerate turns FSDP on CPU processes into DDP)
 # ---------------------------------------------------------------------------------------------------------------------
-def test_fsdp2_shards_every_parameter_along_its_rows(two_processes):
+def test_fsdp2_shards_every_parameter_along_its_rows_through_head_blocks(two_processes, config):
     """Rank 0 holds the first ceil(rows / 2) rows of every parameter (torch.chunk along dim 0)."""
     shapes = two_processes["fsdp"]["local_and_full_shapes"]
     for name, (local, full) in shapes.items():
         assert local == (-(-full[0] // scenarios.WORLD_SIZE), *full[1:]), name
+    # So Per-Head Muon and QK-Clip find part of a head on each rank.
+    mla = f"model.layers.{config.mla_layer_indices[0]}.self_attn"
+    assert shapes[f"{mla}.q_b_proj.weight"][0][0] % (config.qk_nope_head_dim + config.qk_rope_head_dim)
+    assert shapes[f"{mla}.kv_b_proj.weight"][0][0] % (config.qk_nope_head_dim + config.v_head_dim)
 
 
-def test_fsdp2_training_with_per_head_muon_and_quantile_balancing_equals_single_process(two_processes, config):
+def test_fsdp2_training_with_per_head_muon_qk_clip_and_quantile_balancing_equals_single_process(two_processes, config):
     single = scenarios.train_single_process_raw(config)
     fsdp = two_processes["fsdp"]
     assert fsdp["losses"] == single["losses"]
@@ -212,19 +210,18 @@ def test_fsdp2_model_saved_from_two_processes_loads_in_one(two_processes, work):
 # ---------------------------------------------------------------------------------------------------------------------
 # Trainer on models sharded by transformers at load time (DistributedConfig), which works on CPU processes too
 # ---------------------------------------------------------------------------------------------------------------------
-def test_trainer_on_model_sharded_at_load_time_equals_single_process(two_processes, single_process_without_qk_clip):
-    sharded, single = two_processes["sharded_at_load"], single_process_without_qk_clip
+def test_trainer_on_model_sharded_at_load_time_equals_single_process(two_processes, single_process):
+    """Per-Head Muon from the plain factory and QK-Clip, both on the DTensor shards."""
+    sharded, single = two_processes["sharded_at_load"], single_process
     assert sharded["world_size"] == scenarios.WORLD_SIZE
     assert sharded["losses"] == single["losses"]
     assert torch.equal(sharded["biases"], single["biases"])
     assert_same_state(sharded["state"], single["state"])
 
 
-def test_expert_parallel_trainer_matches_single_process_up_to_summation_order(
-    two_processes, single_process_without_qk_clip, config
-):
+def test_expert_parallel_trainer_matches_single_process_up_to_summation_order(two_processes, single_process, config):
     """Experts split over the ranks: tokens travel by all-to-all and expert outputs are combined in another order."""
-    expert_parallel, single = two_processes["expert_parallel"], single_process_without_qk_clip
+    expert_parallel, single = two_processes["expert_parallel"], single_process
     assert expert_parallel["local_experts"] == config.num_experts // scenarios.WORLD_SIZE
     assert expert_parallel["losses"][0] == pytest.approx(single["losses"][0], rel=1e-6)
     assert expert_parallel["losses"] == pytest.approx(single["losses"], rel=1e-4)

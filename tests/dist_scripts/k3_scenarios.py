@@ -3,9 +3,9 @@
 Launched as ``accelerate launch --config_file configs/accelerate_ddp.yaml tests/dist_scripts/k3_scenarios.py WORK``
 (repository root on PYTHONPATH), every rank runs :func:`main`: DDP through ``Trainer``, a DDP resume of the
 single-process checkpoint, Quantile Balancing statistics, a raw FSDP2 loop, and ``Trainer`` on models sharded by
-transformers at load time (FSDP2, then FSDP2 with expert parallelism). Rank 0 writes the results to
-``WORK/distributed.pt``. The tests put ``config.json``, the initial model (``initial/``) and the single-process
-checkpoints into ``WORK`` first.
+transformers at load time (FSDP2, then FSDP2 with expert parallelism), all with Per-Head Muon and QK-Clip. Rank 0
+writes the results to ``WORK/distributed.pt``. The tests put ``config.json``, the initial model (``initial/``) and
+the single-process checkpoints into ``WORK`` first.
 
 Every scenario splits one global batch of ``GLOBAL_BATCH`` sequences per step into ``MICRO_BATCH``-sequence
 micro-batches, consumed by ranks (DDP, FSDP) or accumulated in one process. Both then compute the same
@@ -39,7 +39,7 @@ SEQUENCE_LENGTH = 16
 STEPS = 4
 SAVE_STEPS = 2
 LEARNING_RATE = 1e-2
-# Between the tiny model's per-head max logits (about 0.015-0.026): QK-Clip rescales some heads and leaves others.
+# Between the test model's per-head max logits (about 0.013-0.032): QK-Clip rescales some heads and leaves others.
 QK_CLIP_TAU = 0.02
 
 
@@ -112,11 +112,11 @@ def train_with_trainer(
     gradient_accumulation_steps,
     micro_batch=MICRO_BATCH,
     model=None,
-    qk_clip_tau=QK_CLIP_TAU,
     save_steps=SAVE_STEPS,
     resume_from_checkpoint=None,
 ) -> dict:
-    """Per-Head Muon and Quantile Balancing through ``Trainer`` for STEPS steps; ``save_steps=None`` saves nothing.
+    """Per-Head Muon with QK-Clip and Quantile Balancing through ``Trainer`` for STEPS steps; ``save_steps=None``
+    saves nothing.
 
     ``Trainer`` normalizes the loss by the label count of the whole global batch (over micro-batches and ranks),
     and DDP averages what each rank's ``world_size``-scaled loss gives: both add up to the same gradient. ``model``
@@ -148,7 +148,7 @@ def train_with_trainer(
         args=args,
         train_dataset=[{"input_ids": row, "labels": row} for row in sequences],
         data_collator=default_data_collator,
-        optimizer_cls_and_kwargs=(PerHeadMuonFactory, {"lr": LEARNING_RATE, "qk_clip_tau": qk_clip_tau}),
+        optimizer_cls_and_kwargs=(PerHeadMuonFactory, {"lr": LEARNING_RATE, "qk_clip_tau": QK_CLIP_TAU}),
         callbacks=[QuantileBalancingCallback(model, per_layer_metrics=False), recorder],
     )
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
@@ -163,15 +163,14 @@ def train_with_trainer(
 
 def train_sharded_at_load_time(config, work: Path, expert_parallel_size: int = 1) -> dict:
     """``Trainer`` on the initial model loaded FSDP2-sharded over all ranks (experts split ``expert_parallel_size``
-    ways). Without QK-Clip, which rescales rows of plain tensors only."""
+    ways), with the optimizer factory and QK-Clip of the unsharded runs."""
     model = KimiK3ForCausalLM.from_pretrained(
         work / "initial", distributed_config=sharded_loading_config(WORLD_SIZE, expert_parallel_size)
     )
     experts = model.model.layers[1].block_sparse_moe.experts
     local_experts = experts.gate_up_proj.to_local().shape[0]
     output_dir = work / f"sharded_ep{expert_parallel_size}"
-    result = train_with_trainer(config, output_dir, gradient_accumulation_steps=1, model=model, qk_clip_tau=None,
-                                save_steps=None)
+    result = train_with_trainer(config, output_dir, gradient_accumulation_steps=1, model=model, save_steps=None)
     return {**result, "local_experts": local_experts}
 
 
@@ -206,7 +205,8 @@ def train_raw(model, optimizer, steps: list[list[torch.Tensor]]) -> dict:
 
 def train_single_process_raw(config) -> dict:
     model = build_model(config)
-    result = train_raw(model, PerHeadMuon.for_model(model, lr=LEARNING_RATE), micro_batches(config))
+    optimizer = PerHeadMuon.for_model(model, lr=LEARNING_RATE, qk_clip_tau=QK_CLIP_TAU)
+    result = train_raw(model, optimizer, micro_batches(config))
     return {**result, "state": model.state_dict()}
 
 
@@ -214,7 +214,7 @@ def train_fully_sharded(config, save_directory) -> dict:
     """FSDP2 per decoder layer over all ranks, each rank training on its own micro-batch of every step."""
     model = shard_decoder_layers(build_model(config))
     shapes = {name: (tuple(param.to_local().shape), tuple(param.shape)) for name, param in model.named_parameters()}
-    optimizer = PerHeadMuon.for_model(model, lr=LEARNING_RATE)
+    optimizer = PerHeadMuon.for_model(model, lr=LEARNING_RATE, qk_clip_tau=QK_CLIP_TAU)
     result = train_raw(model, optimizer, micro_batches(config, ranks=[dist.get_rank()]))
     save_pretrained_full(model, save_directory)
     return {**result, "state": full_state_dict(model), "local_and_full_shapes": shapes}
