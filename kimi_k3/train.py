@@ -25,6 +25,7 @@ from modeling_kimi_k3 import KimiK3ForCausalLM
 from . import hub
 from .balance_metrics import load_balance_metrics
 from .data import load_corpus, tokenize_into_blocks
+from .distributed import load_full_state_dict
 from .model_card import TrainingSummary, render_model_card
 from .muon import PerHeadMuonFactory
 from .quantile_balancing import QuantileBalancingCallback, find_routers
@@ -55,6 +56,9 @@ TRAINING_DEFAULTS = {
     "report_to": "none",
     # Router statistics are per-rank buffers; DDP's buffer broadcast would overwrite them (hf-integration.md §3.3).
     "ddp_broadcast_buffers": False,
+    # Layer 0's self-attention AttnRes projection and norm never enter the graph (no block snapshot to weigh yet).
+    # Trainer would switch the search off under activation checkpointing, and DDP then fails on them.
+    "ddp_find_unused_parameters": True,
 }
 
 
@@ -107,7 +111,8 @@ class UsageError(ValueError):
 # Trainer
 # ---------------------------------------------------------------------------------------------------------------------
 class KimiK3Trainer(Trainer):
-    """``Trainer`` whose checkpoints appear atomically, resume every weight, and whose evaluations report perplexity."""
+    """``Trainer`` whose checkpoints appear atomically, also load into models sharded at load time, and whose
+    evaluations report perplexity."""
 
     _staging_run_dir: Path | None = None
 
@@ -159,18 +164,25 @@ class KimiK3Trainer(Trainer):
         )
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        """Load through ``from_pretrained`` and a strict ``load_state_dict``.
-
-        Trainer's own loader reads model.safetensors with a non-strict ``load_state_dict``, which skips (with a mere
-        warning) the released per-expert keys that ``save_pretrained`` writes (hf-integration.md §2.7): the experts
-        would keep their current values, on resume and for ``load_best_model_at_end``.
-        """
-        model = self.model if model is None else model
-        saved = type(model).from_pretrained(resume_from_checkpoint, config=model.config)
-        model.load_state_dict(saved.state_dict())
+        if self.is_distributed_loading_by_transformers:
+            self._load_into_shards(resume_from_checkpoint)
+        else:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_best_model(self) -> None:
-        self._load_from_checkpoint(self.state.best_model_checkpoint)
+        if self.is_distributed_loading_by_transformers:
+            self._load_into_shards(self.state.best_model_checkpoint)
+        else:
+            super()._load_best_model()
+
+    def _load_into_shards(self, checkpoint: str) -> None:
+        """Checkpoint weights into a model sharded at load time (``DistributedConfig``), every rank keeping its shard.
+
+        Trainer's own loader copies plain tensors into the ``DTensor`` parameters, which fails. Each rank reads the
+        whole checkpoint through ``from_pretrained`` (any saved layout, strict).
+        """
+        saved = type(self.model).from_pretrained(checkpoint, config=self.model.config)
+        load_full_state_dict(self.model, saved.state_dict())
 
 
 def perplexity(loss: float) -> float:
@@ -198,6 +210,20 @@ def parse_args(argv: list[str] | None) -> tuple[ModelArguments, DataArguments, T
     parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))
     parser.set_defaults(**TRAINING_DEFAULTS)
     return parser.parse_args_into_dataclasses(args=argv)
+
+
+def check_world_size(training_args: TrainingArguments) -> None:
+    """Refuse a launch whose processes Trainer would not join: each would train its own model into one folder.
+
+    ``accelerate launch`` with the multi-GPU (DDP) config starts WORLD_SIZE processes on any machine, but without GPUs
+    Trainer only joins them (over gloo) when told ``--use_cpu True``.
+    """
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and training_args.world_size == 1:
+        raise UsageError(
+            f"the launcher started {launched} processes (WORLD_SIZE={launched}) but Trainer sees a world size of 1, "
+            "so each process would train alone; on a machine without GPUs pass --use_cpu True"
+        )
 
 
 def publish_settings(training_args: TrainingArguments) -> tuple[str, str] | None:
@@ -244,7 +270,7 @@ def build_tokenizer(model_args: ModelArguments, train_texts: list[str], checkpoi
 def build_model(model_args: ModelArguments, tokenizer, checkpoint: str | None) -> KimiK3ForCausalLM:
     """A new model sized by the tokenizer, the fine-tuned folder, or the resumed checkpoint's architecture.
 
-    A resumed model gets its weights from ``KimiK3Trainer._load_from_checkpoint``, together with the optimizer state.
+    A resumed model gets its weights from Trainer's checkpoint loading, together with the optimizer state.
     """
     overrides = json.loads(model_args.config_overrides) if model_args.config_overrides else {}
     if not isinstance(overrides, dict):
@@ -380,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     datasets.disable_progress_bars()
     try:
         model_args, data_args, training_args = parse_args(argv)
+        check_world_size(training_args)
         publish = publish_settings(training_args)
         checkpoint = resolve_checkpoint(training_args)
         set_seed(training_args.seed)  # Trainer seeds only in its constructor, after the model is initialised

@@ -243,6 +243,11 @@ def test_single_process_checkpoint_loads_into_fsdp2_sharded_model(two_processes,
     assert_same_state(two_processes["fsdp_loaded"], expected)
 
 
+def test_single_process_checkpoint_loads_through_trainer_into_model_sharded_at_load_time(two_processes, work):
+    expected = KimiK3ForCausalLM.from_pretrained(work / "single" / LAST_STEP).state_dict()
+    assert_same_state(two_processes["sharded_loaded"], expected)
+
+
 def test_two_process_checkpoint_loads_and_resumes_in_one_process(two_processes, work, config):
     ddp = two_processes["ddp"]
     loaded = KimiK3ForCausalLM.from_pretrained(work / "ddp" / LAST_STEP)

@@ -320,6 +320,15 @@ def test_bad_input_exits_nonzero_with_message_and_writes_nothing(case, trained, 
     assert not (tmp_path / "out").exists()
 
 
+def test_processes_that_trainer_would_not_join_stop_with_the_use_cpu_hint(trained, tmp_path, monkeypatch, capsys):
+    # A launcher's WORLD_SIZE, while Trainer (no GPU, no --use_cpu True) sees a world size of 1.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert train.main(tiny_args(tmp_path / "out", trained[1])) == 2
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "WORLD_SIZE=2" in last_line and last_line.endswith("pass --use_cpu True")
+    assert not (tmp_path / "out").exists()
+
+
 def test_fresh_run_refuses_output_dir_holding_another_runs_checkpoints(trained, capsys):
     run = trained[0]
     before = sorted(path.name for path in run.iterdir())

@@ -227,6 +227,16 @@ def load_into_fully_sharded(config, checkpoint: Path) -> dict:
     return full_state_dict(model)
 
 
+def load_through_trainer_into_sharded_at_load_time(work: Path, checkpoint: Path) -> dict:
+    """The full state dict of a model sharded at load time after ``KimiK3Trainer`` loaded a single-process checkpoint
+    into it, as resuming and ``load_best_model_at_end`` do."""
+    model = KimiK3ForCausalLM.from_pretrained(work / "initial", distributed_config=sharded_loading_config(WORLD_SIZE))
+    args = TrainingArguments(output_dir=str(work / "sharded_loaded"), use_cpu=True, report_to="none",
+                             save_strategy="no")
+    KimiK3Trainer(model=model, args=args)._load_from_checkpoint(str(checkpoint))
+    return full_state_dict(model)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Quantile Balancing statistics
 # ---------------------------------------------------------------------------------------------------------------------
@@ -261,10 +271,12 @@ def main(work: Path) -> None:
     fsdp = train_fully_sharded(config, work / "fsdp_model")
     fsdp_loaded = load_into_fully_sharded(config, work / "single" / f"checkpoint-{STEPS}")
     sharded_at_load = train_sharded_at_load_time(config, work)
+    sharded_loaded = load_through_trainer_into_sharded_at_load_time(work, work / "single" / f"checkpoint-{STEPS}")
     expert_parallel = train_sharded_at_load_time(config, work, expert_parallel_size=WORLD_SIZE)
     if rank == 0:
         results = {"ddp": ddp, "ddp_resumed": resumed, "balancing": balancing, "fsdp": fsdp, "fsdp_loaded": fsdp_loaded,
-                   "sharded_at_load": sharded_at_load, "expert_parallel": expert_parallel}
+                   "sharded_at_load": sharded_at_load, "sharded_loaded": sharded_loaded,
+                   "expert_parallel": expert_parallel}
         torch.save(results, work / "distributed.pt")
 
 
