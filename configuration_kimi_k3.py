@@ -74,6 +74,14 @@ class KimiK3Config(PreTrainedConfig):
         "norm_topk_prob": "moe_renormalize",
         "n_group": "num_expert_group",
     }
+    # Expert parallelism (`DistributedConfig(ep_size=...)`): each rank holds whole experts of the fused 3-D tensors
+    # and receives its routed latent tokens by all-to-all; routers, and so Quantile Balancing, stay replicated. FSDP2
+    # uses PreTrainedConfig's default plan: one unit per decoder layer, the embeddings and the final norm.
+    base_model_ep_plan = {
+        "layers.*.block_sparse_moe.experts.gate_up_proj": "grouped_gemm",
+        "layers.*.block_sparse_moe.experts.down_proj": "grouped_gemm",
+        "layers.*.block_sparse_moe.experts": "ep_dispatch_experts",
+    }
 
     vocab_size: int = 4096
     hidden_size: int = 256

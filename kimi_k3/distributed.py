@@ -23,16 +23,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers.distributed import DistributedConfig
 
-# Plans for transformers' sharding at load time. FSDP2: one unit per decoder layer, as in shard_decoder_layers.
-FSDP_PLAN = {"model.layers.*": "free_full_weight"}
-# Expert parallelism: each rank holds num_experts / ep_size whole experts of the fused 3-D tensors and exchanges the
-# routed (latent) tokens with all-to-all; routers, and so Quantile Balancing, stay replicated.
-EXPERT_PARALLEL_PLAN = {
-    "model.layers.*.block_sparse_moe.experts.gate_up_proj": "grouped_gemm",
-    "model.layers.*.block_sparse_moe.experts.down_proj": "grouped_gemm",
-    "model.layers.*.block_sparse_moe.experts": "ep_dispatch_experts",
-}
-
 
 def shard_decoder_layers(model: nn.Module, mesh: DeviceMesh | None = None, **fully_shard_kwargs) -> nn.Module:
     """FSDP2 per decoder layer: ``fully_shard`` each layer, then the root (embeddings, final norms, ``lm_head``).
@@ -54,14 +44,12 @@ def shard_decoder_layers(model: nn.Module, mesh: DeviceMesh | None = None, **ful
 
 def sharded_loading_config(fsdp_size: int, expert_parallel_size: int = 1) -> DistributedConfig:
     """``DistributedConfig`` for ``KimiK3ForCausalLM.from_pretrained``: FSDP2 per decoder layer over ``fsdp_size``
-    ranks, experts split over ``expert_parallel_size`` of them (which must divide ``fsdp_size``).
+    ranks, experts split over ``expert_parallel_size`` of them (which must divide ``fsdp_size``), by the plans the
+    config class carries (``KimiK3Config.base_model_ep_plan``).
 
     ``Trainer`` refuses to checkpoint the optimizer state of such a model: pass ``save_only_model=True``.
     """
-    plans = {"fsdp_plan": FSDP_PLAN}
-    if expert_parallel_size > 1:
-        plans["ep_plan"] = EXPERT_PARALLEL_PLAN
-    return DistributedConfig(fsdp_size=fsdp_size, ep_size=expert_parallel_size, **plans)
+    return DistributedConfig(fsdp_size=fsdp_size, ep_size=expert_parallel_size)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
