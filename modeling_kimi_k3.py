@@ -155,18 +155,22 @@ def kda_decay_gate(
 
 
 def recurrent_kda(q, k, v, g, beta, initial_state=None):
-    """Token-by-token delta rule with per-channel decay (architecture.md §2.3 step 6); used for decoding."""
+    """Token-by-token delta rule with per-channel decay (architecture.md §2.3 step 6); used for decoding.
+
+    Like `chunk_kda` it ignores autocast: the state recurrence runs in the caller's precision (fp32 in the layer).
+    """
     batch_size, seq_len, num_heads, k_dim = k.shape
     state = (
         q.new_zeros(batch_size, num_heads, k_dim, v.shape[-1]) if initial_state is None else initial_state.to(q.dtype)
     )
     outputs = []
-    for t in range(seq_len):
-        state = state * g[:, t].exp()[..., None]
-        k_t = k[:, t]
-        correction = v[:, t] - torch.einsum("bhkv,bhk->bhv", state, k_t)
-        state = state + (beta[:, t, :, None] * k_t)[..., None] * correction[..., None, :]
-        outputs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
+    with torch.autocast(q.device.type, enabled=False):
+        for t in range(seq_len):
+            state = state * g[:, t].exp()[..., None]
+            k_t = k[:, t]
+            correction = v[:, t] - torch.einsum("bhkv,bhk->bhv", state, k_t)
+            state = state + (beta[:, t, :, None] * k_t)[..., None] * correction[..., None, :]
+            outputs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
     return torch.stack(outputs, dim=1), state
 
 
@@ -222,8 +226,14 @@ def chunk_kda(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, gate_l
     Everything that does not depend on the incoming state (decayed scores, T = (I + L)^-1, U, W) is computed for all
     chunks at once; only Ṽ = U − W S and the state update run chunk by chunk. ``gate_lower_bound`` (every g ≥ lb)
     sizes the sub-chunks of `kda_intra_chunk_scores`; without it the kernel assumes nothing about g.
-    Padding the tail with k = v = g = β = 0 leaves the state untouched, so any length works.
+    Padding the tail with k = v = g = β = 0 leaves the state untouched, so any length works. Autocast is ignored:
+    bf16 matmuls would break the fp32 state recurrence of architecture.md §2.3 step 6.
     """
+    with torch.autocast(q.device.type, enabled=False):
+        return _chunk_kda(q, k, v, g, beta, initial_state, chunk_size, gate_lower_bound)
+
+
+def _chunk_kda(q, k, v, g, beta, initial_state, chunk_size: int, gate_lower_bound: float | None):
     batch_size, seq_len, num_heads, k_dim = k.shape
     sub_chunk_size = kda_sub_chunk_size(chunk_size, gate_lower_bound, q.dtype)
     q, k, v, g, beta = (_split_chunks(x, chunk_size) for x in (q, k, v, g, beta))
@@ -516,6 +526,22 @@ def block_attention_residual(
 # ---------------------------------------------------------------------------------------------------------------------
 # Stable LatentMoE (architecture.md §2.6, training.md §1.1)
 # ---------------------------------------------------------------------------------------------------------------------
+def histogram_range(bias: torch.Tensor, num_bins: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lower edge and bin width of [b_min − 1, b_max + 1] over the last dim of ``bias`` [..., n], which holds every
+    required bias r = α − s for scores in (0, 1) (training.md §1.4)."""
+    low = bias.min(-1, keepdim=True).values - 1
+    return low, (bias.max(-1, keepdim=True).values + 1 - low) / num_bins
+
+
+def required_bias_histogram(required_bias: torch.Tensor, bias: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """Per-expert counts [n, B] (int64) of the required biases [N, n] in ``num_bins`` bins over ``histogram_range``."""
+    low, width = histogram_range(bias, num_bins)
+    bins = ((required_bias - low) / width).floor().clamp_(0, num_bins - 1).long()
+    num_experts = bins.shape[-1]
+    bins += torch.arange(num_experts, device=bins.device) * num_bins
+    return torch.bincount(bins.reshape(-1), minlength=num_experts * num_bins).view(num_experts, num_bins)
+
+
 class KimiK3TopkRouter(nn.Module):
     """Sigmoid router whose fp32 bias only picks experts; the weights come from the bias-free scores.
 
@@ -577,21 +603,7 @@ class KimiK3TopkRouter(nn.Module):
         if self.exact_quantiles:
             self.qb_required_bias.append(required_bias)
         else:
-            self.qb_histogram += self.required_bias_histogram(required_bias)
-
-    def histogram_range(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Lower edge and bin width of the required-bias histogram: [b_min − 1, b_max + 1] in B bins (§1.4)."""
-        bias = self.e_score_correction_bias
-        low = bias.min() - 1
-        return low, (bias.max() + 1 - low) / self.num_bins
-
-    def required_bias_histogram(self, required_bias: torch.Tensor) -> torch.Tensor:
-        """Per-expert counts [n, B] of the required biases [N, n] of one batch."""
-        low, width = self.histogram_range()
-        bins = ((required_bias - low) / width).floor().clamp_(0, self.num_bins - 1).long()
-        bins += torch.arange(self.num_experts, device=bins.device) * self.num_bins
-        counts = torch.bincount(bins.reshape(-1), minlength=self.num_experts * self.num_bins)
-        return counts.view(self.num_experts, self.num_bins)
+            self.qb_histogram += required_bias_histogram(required_bias, self.e_score_correction_bias, self.num_bins)
 
     def reset_statistics(self) -> None:
         self.tokens_per_expert.zero_()

@@ -3,7 +3,14 @@
 import pytest
 import torch
 
-from modeling_kimi_k3 import chunk_kda, kda_decay_gate, l2_normalize, recurrent_kda
+from modeling_kimi_k3 import (
+    chunk_kda,
+    kda_decay_gate,
+    kda_intra_chunk_scores,
+    kda_sub_chunk_size,
+    l2_normalize,
+    recurrent_kda,
+)
 
 
 def naive_kda(q, k, v, g, beta, initial_state=None):
@@ -106,3 +113,81 @@ def test_decay_gate_is_lower_bounded_sigmoid_form():
     expected = -5.0 * torch.sigmoid(A_log.exp()[:, None] * (f.view(3, 5, 2, 4) + dt_bias.view(2, 4)))
     torch.testing.assert_close(g, expected, rtol=0, atol=0)
     assert (g <= 0).all() and (g >= -5).all()
+
+
+def test_sub_chunk_size_keeps_the_bridge_exponent_finite():
+    assert kda_sub_chunk_size(64, None, torch.float32) == 1
+    assert kda_sub_chunk_size(64, -5.0, torch.float32) == 16  # 15·5 = 75 <= ln(3.4e38) − 8
+    assert kda_sub_chunk_size(64, -5.0, torch.bfloat16) == 16
+    assert kda_sub_chunk_size(64, -5.0, torch.float64) == 64
+    assert kda_sub_chunk_size(64, -5.0, torch.float16) == 1
+    assert kda_sub_chunk_size(48, -5.0, torch.float32) == 16
+    assert kda_sub_chunk_size(64, -100.0, torch.float64) == 8
+
+
+@pytest.mark.parametrize("sub_chunk_size", [1, 2, 4, 8, 16, 32])
+@pytest.mark.parametrize("decay", ["random", "strongest"])
+def test_intra_chunk_scores_equal_the_exponent_of_a_difference_fp64(sub_chunk_size, decay):
+    """Sub-chunk matmuls ≡ Σ_c x_r k_s e^{γ_r−γ_s} with the masked [C, C, D] decay (architecture.md §2.3 step 7)."""
+    q, k, _, g, _ = random_inputs(2, 32, 3, 8, 1, seed=sub_chunk_size)
+    if decay == "strongest":
+        g = torch.full_like(g, -4.99)  # γ reaches −160 in the chunk: e^{+160} would overflow fp32
+    q, k, gamma = (x.transpose(1, 2) for x in (q, k, g.cumsum(1)))
+    query_key, key_key = kda_intra_chunk_scores(q, k, gamma, sub_chunk_size)
+    causal = torch.ones(32, 32, dtype=torch.bool).tril()
+    full_decay = (gamma[..., :, None, :] - gamma[..., None, :, :]).masked_fill(~causal[..., None], -torch.inf).exp()
+    expected_qk = torch.einsum("bhrc,bhsc,bhrsc->bhrs", q, k, full_decay)
+    expected_kk = torch.einsum("bhrc,bhsc,bhrsc->bhrs", k, k, full_decay).tril(-1)
+    assert (query_key - expected_qk).abs().max() <= 1e-12
+    assert (key_key - expected_kk).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, -100.0])
+@pytest.mark.parametrize("batch,seq_len,heads,k_dim,v_dim,chunk", [(2, 37, 2, 8, 4, 16), (1, 130, 3, 4, 6, 64)])
+def test_sub_chunked_kda_matches_recurrence_fp64(lower_bound, batch, seq_len, heads, k_dim, v_dim, chunk):
+    """fp64 with lb = −5 factors over the whole chunk (S = C); lb = −100 forces S = 8."""
+    q, k, v, g, beta = random_inputs(batch, seq_len, heads, k_dim, v_dim, lower_bound=lower_bound, seed=seq_len)
+    initial = torch.randn(batch, heads, k_dim, v_dim, dtype=torch.float64)
+    out, state = chunk_kda(q, k, v, g, beta, initial_state=initial, chunk_size=chunk, gate_lower_bound=lower_bound)
+    ref_out, ref_state = recurrent_kda(q, k, v, g, beta, initial_state=initial)
+    assert (out - ref_out).abs().max() <= 1e-10
+    assert (state - ref_state).abs().max() <= 1e-10
+
+
+def test_sub_chunked_kda_survives_strongest_decay_in_fp32():
+    """fp32 with lb = −5 uses 16-step sub-chunks: factors up to e^{75}, finite, and the result matches the loop."""
+    q, k, v, _, beta = random_inputs(1, 128, 2, 8, 8, dtype=torch.float32)
+    g = torch.full_like(q, -4.99)
+    inputs = [x.requires_grad_() for x in (q, k, v, g, beta)]
+    out, state = chunk_kda(*inputs, gate_lower_bound=-5.0)
+    ref_out, ref_state = recurrent_kda(q, k, v, g, beta)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, ref_state, rtol=1e-5, atol=1e-5)
+    grads = torch.autograd.grad(out.square().sum() + state.square().sum(), inputs)
+    assert all(torch.isfinite(grad).all() for grad in grads)
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0, -100.0])
+def test_sub_chunked_kda_gradients_match_recurrence_fp64(lower_bound):
+    inputs = random_inputs(2, 45, 2, 4, 3, lower_bound=lower_bound or -5.0, seed=11)
+    initial = torch.randn(2, 2, 4, 3, dtype=torch.float64)
+    inputs = [x.requires_grad_() for x in (*inputs, initial)]
+    *kernel_inputs, state_in = inputs
+    out, state = chunk_kda(*kernel_inputs, initial_state=state_in, chunk_size=16, gate_lower_bound=lower_bound)
+    grads = torch.autograd.grad(out.sin().sum() + state.cos().sum(), inputs)
+    ref_out, ref_state = recurrent_kda(*kernel_inputs, initial_state=state_in)
+    ref_grads = torch.autograd.grad(ref_out.sin().sum() + ref_state.cos().sum(), inputs)
+    for grad, ref in zip(grads, ref_grads):
+        assert (grad - ref).abs().max() <= 1e-9
+
+
+def test_kda_kernels_ignore_bf16_autocast():
+    """The state recurrence stays fp32 under autocast (architecture.md §2.3 step 6): results are bit-identical."""
+    q, k, v, g, beta = random_inputs(1, 70, 2, 8, 8, dtype=torch.float32, seed=4)
+    chunked, chunked_state = chunk_kda(q, k, v, g, beta, gate_lower_bound=-5.0)
+    recurrent, recurrent_state = recurrent_kda(q, k, v, g, beta)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(chunk_kda(q, k, v, g, beta, gate_lower_bound=-5.0)[0], chunked)
+        assert torch.equal(chunk_kda(q, k, v, g, beta, gate_lower_bound=-5.0)[1], chunked_state)
+        assert torch.equal(recurrent_kda(q, k, v, g, beta)[0], recurrent)
+        assert torch.equal(recurrent_kda(q, k, v, g, beta)[1], recurrent_state)
