@@ -17,6 +17,8 @@ import torch.distributed as dist
 from torch import nn
 from transformers import TrainerCallback
 
+from modeling_kimi_k3 import histogram_range, required_bias_histogram
+
 from .balance_metrics import aggregate_over_layers, load_balance_metrics
 
 UPDATE_RULES = ("quantile", "sign", "none")
@@ -24,7 +26,8 @@ ESTIMATORS = ("histogram", "exact")
 
 
 # ---------------------------------------------------------------------------------------------------------
-# What the router records (reference; the model computes the same thing in its own file, training.md §1.4)
+# What the router records (training.md §1.4): the required biases (a reference for tests and simulations) and their
+# histogram, binned by the model file's own functions, so that the solver reads exactly the router's bins
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -36,21 +39,6 @@ def required_bias(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple
     top = torch.topk(scores + bias, top_k + 1, dim=-1)
     cutoff = top.values[..., top_k:]
     return top.indices[..., :top_k], cutoff - scores
-
-
-def histogram_range(bias: torch.Tensor, num_bins: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lower edge and bin width of [b_min − 1, b_max + 1], which holds every r for scores in (0, 1) (§1.4)."""
-    low = bias.min(-1, keepdim=True).values - 1
-    return low, (bias.max(-1, keepdim=True).values + 1 - low) / num_bins
-
-
-def required_bias_histogram(required_bias: torch.Tensor, bias: torch.Tensor, num_bins: int) -> torch.Tensor:
-    """Counts of r [T, n] per expert in ``num_bins`` uniform bins over ``histogram_range(bias)``: [n, B] int64."""
-    low, width = histogram_range(bias, num_bins)
-    bins = ((required_bias - low) / width).floor().clamp(0, num_bins - 1).long()
-    num_experts = bins.shape[-1]
-    flat = bins + torch.arange(num_experts, device=bins.device) * num_bins
-    return torch.bincount(flat.flatten(), minlength=num_experts * num_bins).view(num_experts, num_bins)
 
 
 # ---------------------------------------------------------------------------------------------------------
