@@ -192,8 +192,8 @@ def perplexity(loss: float) -> float:
 def replace_folder(staged: Path, target: Path) -> None:
     """Move a completely written folder to ``target``; an existing ``target`` stays whole until it is replaced.
 
-    Both renames stay inside one parent folder, so each is atomic; between them the old folder sits complete under
-    a hidden backup name.
+    ``staged`` lives under ``target``'s parent, so both renames stay on one filesystem and each is atomic; between
+    them the old folder sits complete under a hidden backup name.
     """
     backup = target.with_name(f".{target.name}.replaced")
     shutil.rmtree(backup, ignore_errors=True)
