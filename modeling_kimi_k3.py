@@ -633,19 +633,32 @@ class KimiK3Experts(nn.Module):
         gate, up = gate_up_out.chunk(2, dim=-1)
         return self.glu(gate, up)
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         """Also accept the released per-expert keys (``{e}.w1/w3/w2.weight``) in plain ``load_state_dict``.
 
         ``from_pretrained`` fuses them through the conversion mapping, but code that loads a ``model.safetensors``
         with ``load_state_dict`` (``Trainer``'s checkpoint resume, for one) would otherwise leave the fused
-        tensors missing and silently keep their initial values.
+        tensors missing and silently keep their initial values. A layer whose experts are only partly present
+        (a shard boundary inside it) is an error, never a silent partial load.
         """
-        per_expert = [f"{prefix}{e}.{w}.weight" for e in range(self.num_experts) for w in ("w1", "w3", "w2")]
-        if all(key in state_dict for key in per_expert):
-            w1, w3, w2 = ([state_dict.pop(f"{prefix}{e}.{w}.weight") for e in range(self.num_experts)] for w in ("w1", "w3", "w2"))
-            state_dict[prefix + "gate_up_proj"] = torch.cat([torch.stack(w1), torch.stack(w3)], dim=1)
-            state_dict[prefix + "down_proj"] = torch.stack(w2)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        per_expert = [f"{prefix}{e}.{w}.weight" for w in ("w1", "w3", "w2") for e in range(self.num_experts)]
+        present = [key in state_dict for key in per_expert]
+        if all(present):
+            w1, w3, w2 = (
+                torch.stack([state_dict.pop(f"{prefix}{e}.{w}.weight") for e in range(self.num_experts)])
+                for w in ("w1", "w3", "w2")
+            )
+            state_dict[prefix + "gate_up_proj"] = torch.cat([w1, w3], dim=1)
+            state_dict[prefix + "down_proj"] = w2
+        elif any(present):
+            missing = [key for key, found in zip(per_expert, present) if not found]
+            error_msgs.append(
+                f"{prefix[:-1]}: the state dict holds only some per-expert weights (missing e.g. {missing[0]}); "
+                "load the whole checkpoint at once, e.g. with `from_pretrained`."
+            )
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor

@@ -517,3 +517,14 @@ def test_plain_load_state_dict_accepts_the_released_per_expert_layout(tmp_path):
     assert not result.missing_keys and not result.unexpected_keys
     for (name, a), (_, b) in zip(source.state_dict().items(), target.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_partial_per_expert_state_dict_is_an_error_not_a_silent_partial_load(tmp_path):
+    from safetensors.torch import load_file
+
+    source = build(dtype=torch.float32)
+    source.save_pretrained(tmp_path)
+    on_disk = load_file(tmp_path / "model.safetensors")
+    del on_disk["model.layers.2.block_sparse_moe.experts.5.w3.weight"]
+    with pytest.raises(RuntimeError, match="layers.2.block_sparse_moe.experts: the state dict holds only some"):
+        KimiK3ForCausalLM(tiny_config()).load_state_dict(on_disk, strict=False)
