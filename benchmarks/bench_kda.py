@@ -1,0 +1,142 @@
+"""P2: chunked Kimi Delta Attention, forward (prefill) and forward+backward (training), against transformers'
+kimi_linear torch chunk kernel; and the decode step, which must not grow with the context.
+
+Both kernels get the same raw q, k, v, the K3 gate g = lb·σ(exp(A_log)(f + dt_bias)) (architecture.md §2.3 step 4)
+and β. Ours L2-normalises and scales q, k with `l2_normalize` inside the timed region, exactly as the layer does;
+theirs does the same with ``use_qk_l2norm_in_kernel=True``. The largest output difference is reported as a check.
+
+    python benchmarks/bench_kda.py            # T = 512, 2048, 8192 (a few minutes on two cores)
+    python benchmarks/bench_kda.py --quick    # T = 512, 2048 at one head
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+# benchmarks.common first: it sets the OpenMP wait policy before torch is loaded.
+from benchmarks.common import bench_arguments, forward_backward, report, time_interleaved  # noqa: E402
+import torch  # noqa: E402
+from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention  # noqa: E402
+from transformers.utils import logging  # noqa: E402
+from modeling_kimi_k3 import chunk_kda, kda_decay_gate, l2_normalize, recurrent_kda  # noqa: E402
+
+HEAD_DIM = 128  # K3's KDA head size (architecture.md §2.3)
+GATE_LOWER_BOUND = -5.0
+# (seq_len, batch, heads): the transformers kernel materialises a [B, H, T/64, 64, 64, d] decay tensor and runs a
+# 63-step in-place loop under autograd, which bounds the shapes that fit a few minutes.
+FULL_CASES = [(512, 2, 2), (2048, 1, 2), (8192, 1, 2)]
+QUICK_CASES = [(512, 1, 1), (2048, 1, 1)]
+DECODE_STEPS = 16
+
+
+def kda_inputs(batch: int, seq_len: int, heads: int, seed: int = 0) -> list[torch.Tensor]:
+    """Raw q, k, v [B, T, H, d], the K3 decay gate g [B, T, H, d] and β [B, T, H], all leaf tensors needing grad."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch, seq_len, heads, HEAD_DIM, generator=gen) for _ in range(3))
+    gate_input = torch.randn(batch, seq_len, heads * HEAD_DIM, generator=gen)
+    A_log = torch.empty(heads).uniform_(1.0, 16.0, generator=gen).log()
+    g = kda_decay_gate(gate_input, A_log, torch.randn(heads * HEAD_DIM, generator=gen), GATE_LOWER_BOUND)
+    beta = torch.rand(batch, seq_len, heads, generator=gen)
+    return [x.requires_grad_() for x in (q, k, v, g, beta)]
+
+
+def ours(q, k, v, g, beta) -> torch.Tensor:
+    queries = l2_normalize(q) * HEAD_DIM**-0.5
+    return chunk_kda(queries, l2_normalize(k), v, g, beta, gate_lower_bound=GATE_LOWER_BOUND)[0]
+
+
+def transformers_kernel(q, k, v, g, beta) -> torch.Tensor:
+    return chunk_kimi_delta_attention(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+
+
+def no_grad(forward, inputs):
+    def run():
+        with torch.no_grad():
+            return forward(*inputs)
+
+    return run
+
+
+def chunked_case(seq_len: int, batch: int, heads: int, repeats: int) -> dict:
+    inputs = kda_inputs(batch, seq_len, heads)
+    with torch.no_grad():
+        difference = (ours(*inputs) - transformers_kernel(*inputs)).abs().max().item()
+    times = time_interleaved(
+        {
+            "ours_forward": no_grad(ours, inputs),
+            "hf_forward": no_grad(transformers_kernel, inputs),
+            "ours_train": forward_backward(lambda: ours(*inputs)),
+            "hf_train": forward_backward(lambda: transformers_kernel(*inputs)),
+        },
+        repeats=repeats,
+        warmup=0,
+    )
+    tokens = batch * seq_len
+    return {
+        "T": seq_len,
+        "B x H": f"{batch} x {heads}",
+        "ours fwd ms": 1e3 * times["ours_forward"],
+        "HF fwd ms": 1e3 * times["hf_forward"],
+        "fwd speedup": times["hf_forward"] / times["ours_forward"],
+        "ours fwd+bwd ms": 1e3 * times["ours_train"],
+        "HF fwd+bwd ms": 1e3 * times["hf_train"],
+        "fwd+bwd speedup": times["hf_train"] / times["ours_train"],
+        "ours train tok/s": tokens / times["ours_train"],
+        "max |diff|": difference,
+    }
+
+
+def decode_case(seq_len: int, heads: int, repeats: int) -> dict:
+    """One recurrent step after a chunked prefill of ``seq_len`` tokens: its cost is the fixed d x d state update."""
+    with torch.no_grad():
+        q, k, v, g, beta = (x.detach() for x in kda_inputs(1, seq_len + DECODE_STEPS, heads))
+        queries, keys = l2_normalize(q) * HEAD_DIM**-0.5, l2_normalize(k)
+        _, state = chunk_kda(*(x[:, :seq_len] for x in (queries, keys, v, g, beta)), gate_lower_bound=GATE_LOWER_BOUND)
+
+        def steps():
+            current = state
+            for t in range(seq_len, seq_len + DECODE_STEPS):
+                _, current = recurrent_kda(*(x[:, t : t + 1] for x in (queries, keys, v, g, beta)), current)
+
+        seconds = time_interleaved({"decode": steps}, repeats=repeats)["decode"]
+    return {"context T": seq_len, "heads": heads, "decode step us": 1e6 * seconds / DECODE_STEPS}
+
+
+def run(quick: bool = False, repeats: int | None = None) -> dict:
+    cases = QUICK_CASES if quick else FULL_CASES
+    repeats = repeats or 2
+    logging.set_verbosity_error()  # the kimi_linear kernel warns once that flash-linear-attention is absent
+    chunked = [chunked_case(seq_len, batch, heads, repeats) for seq_len, batch, heads in cases]
+    decode = [decode_case(seq_len, 4, max(5, repeats)) for seq_len, _, _ in cases]
+    base = decode[0]["decode step us"]
+    for row in decode:
+        row["vs shortest context"] = row["decode step us"] / base
+    return {
+        "title": "P2 - chunked KDA vs transformers kimi_linear torch kernel (fp32, head_dim 128, chunk 64)",
+        "tables": [
+            {
+                "caption": "Chunked kernel; speedup = transformers time / our time (min of interleaved repetitions).",
+                "columns": list(chunked[0]),
+                "rows": chunked,
+            },
+            {
+                "caption": f"Decode: one `recurrent_kda` step (mean of {DECODE_STEPS}) after a prefill of T tokens.",
+                "columns": list(decode[0]),
+                "rows": decode,
+            },
+        ],
+        "notes": [
+            f"Our kernel runs with gate_lower_bound={GATE_LOWER_BOUND}: 16-step sub-chunks in fp32.",
+            "Target: fwd+bwd speedup >= 1 at every T; decode step flat in T.",
+        ],
+    }
+
+
+def main() -> None:
+    args = bench_arguments(__doc__)
+    report("kda", run(args.quick, args.repeats), args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Timing and reporting helpers shared by the benchmarks.
+
+Every benchmark compares candidates against baselines measured *in the same run*: the candidates of one case are
+timed round-robin (A, B, C, A, B, C, ...) and each keeps its fastest repetition. On a shared machine background load
+comes and goes; interleaving exposes every candidate to the same load, and the minimum is the least-disturbed run, so
+the ratios hold even when the absolute times do not.
+"""
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+# Set before torch loads libgomp (so every benchmark imports this module first). Spinning OpenMP workers steal the
+# cores of a shared machine: with a busy neighbour, two-thread runs were up to 20x slower with the default policy.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+
+def time_interleaved(
+    candidates: dict[str, Callable[[], object]], repeats: int = 3, warmup: int = 1, slot_seconds: float = 0.25
+) -> dict[str, float]:
+    """Fastest wall time in seconds of each candidate over ``repeats`` round-robin rounds (after ``warmup`` rounds).
+
+    In every round each candidate gets a time slot: a slow candidate runs once, a fast one as often as fits in
+    ``slot_seconds`` (from its first timing), so cheap candidates get enough chances to meet a quiet moment.
+    """
+    best = dict.fromkeys(candidates, float("inf"))
+    for _ in range(warmup):
+        for name, run in candidates.items():
+            best[name] = min(best[name], _timed(run))
+    for _ in range(repeats):
+        for name, run in candidates.items():
+            gc.collect()
+            runs = 1 if best[name] == float("inf") else max(1, min(100, int(slot_seconds / best[name])))
+            for _ in range(runs):
+                best[name] = min(best[name], _timed(run))
+    return best
+
+
+def _timed(run: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def forward_backward(forward: Callable[[], torch.Tensor]) -> Callable[[], None]:
+    """A step that runs ``forward`` and back-propagates a scalar of its output; gradients are dropped afterwards."""
+
+    def step() -> None:
+        output = forward()
+        output = output[0] if isinstance(output, tuple) else output
+        output.float().square().mean().backward()
+
+    return step
+
+
+def zero_grads(*modules_or_tensors) -> None:
+    for item in modules_or_tensors:
+        tensors = item.parameters() if isinstance(item, torch.nn.Module) else [item]
+        for tensor in tensors:
+            tensor.grad = None
+
+
+def machine_description() -> dict:
+    """What the numbers were measured on: CPU, threads, library versions, date and the load when the run started."""
+    from transformers import __version__ as transformers_version
+
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            cpu = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu,
+        "logical_cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers_version,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        **{name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "THP_MEM_ALLOC_ENABLE")},
+    }
+
+
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+    """A GitHub markdown table of ``rows`` restricted to ``columns`` (missing cells stay empty)."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(_format_cell(row.get(column)) for column in columns) + " |")
+    return "\n".join(lines)
+
+
+def _format_cell(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        if value != value:  # NaN
+            return "n/a"
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)
+
+
+def bench_arguments(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None):
+    """The command line every benchmark script accepts (``extra`` adds script-specific arguments)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smaller shapes and fewer repetitions (CI smoke run)")
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved repetitions per case")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    if extra is not None:
+        extra(parser)
+    args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    return args
+
+
+def report(name: str, result: dict, json_path: Path | None = None) -> None:
+    """Print one benchmark's tables and optionally save ``{"machine", name: result}`` as JSON."""
+    print(render_markdown(name, result))
+    if json_path is not None:
+        json_path.write_text(json.dumps({"machine": machine_description(), name: result}, indent=2))
+
+
+def render_markdown(name: str, result: dict) -> str:
+    parts = [f"### {result.get('title', name)}", ""]
+    for table in result["tables"]:
+        if table.get("caption"):
+            parts += [table["caption"], ""]
+        parts += [markdown_table(table["rows"], table["columns"]), ""]
+    parts += [f"- {note}" for note in result.get("notes", [])]
+    return "\n".join(parts).rstrip() + "\n"
