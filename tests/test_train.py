@@ -22,34 +22,11 @@ from kimi_k3 import data, train
 from kimi_k3.model_card import render_model_card
 from kimi_k3.tokenizer import load_tokenizer, train_bpe_tokenizer
 from modeling_kimi_k3 import KimiK3ForCausalLM
+from tests.conftest import TINY_CONFIG
 
 REPO = Path(__file__).resolve().parents[1]
-# KimiK3Config overrides for a 9-layer model with every K3 block at toy widths (vocab_size comes from the tokenizer).
-TINY_MODEL = {
-    "hidden_size": 32,
-    "num_attention_heads": 2,
-    "q_lora_rank": 16,
-    "kv_lora_rank": 12,
-    "qk_nope_head_dim": 8,
-    "qk_rope_head_dim": 4,
-    "v_head_dim": 8,
-    "linear_attn_config": {
-        "kda_layers": [1, 2, 3, 5, 6, 7],
-        "full_attn_layers": [4, 8, 9],
-        "num_heads": 2,
-        "head_dim": 8,
-        "short_conv_kernel_size": 4,
-        "gate_lower_bound": -5.0,
-        "use_full_rank_gate": True,
-    },
-    "intermediate_size": 48,
-    "num_experts": 8,
-    "num_experts_per_token": 2,
-    "num_shared_experts": 1,
-    "moe_intermediate_size": 16,
-    "routed_expert_hidden_size": 24,
-    "qb_num_bins": 64,
-}
+# The shared tiny model of the tests; the vocabulary size comes from the trained tokenizer.
+TINY_MODEL = {key: value for key, value in TINY_CONFIG.items() if key != "vocab_size"} | {"num_shared_experts": 1}
 PROMPT = "The with statement"
 SAMPLING = ["--max_new_tokens", "12", "--do_sample", "--temperature", "1.0", "--top_k", "50", "--seed", "0"]
 # Runs in `python -I` with the installed code blocked, so only the folder's own files can serve the Auto classes.
