@@ -229,7 +229,10 @@ def eager_backward_floor(setting: Setting) -> float:
 
 
 def time_experts_only(setting: Setting, repeats: int) -> list[dict]:
-    """KimiK3Experts vs Qwen3MoeExperts on the same balanced random routing: identical matmul FLOPs."""
+    """KimiK3Experts vs Qwen3MoeExperts on the same balanced random routing: identical matmul FLOPs.
+
+    Ours is also run with SiLU in place of SiTU-GLU, which isolates the cost of K3's activation (training.md §3.1).
+    """
     generator = torch.Generator().manual_seed(2)
     tokens = torch.randn(setting.tokens, LATENT, generator=generator).requires_grad_()
     scores = torch.rand(setting.tokens, setting.num_experts, generator=generator)
@@ -237,9 +240,16 @@ def time_experts_only(setting: Setting, repeats: int) -> list[dict]:
     weights = weights / weights.sum(-1, keepdim=True)
     flops = setting.top_k * 6 * LATENT * INTERMEDIATE * setting.tokens
     config, qwen_cfg = kimi_config(setting), qwen_config(setting)
-    config._experts_implementation = qwen_cfg._experts_implementation = "grouped_mm"
+    silu_config = KimiK3Config(**{**config.to_dict(), "hidden_act": "silu"})
+    for each in (config, qwen_cfg, silu_config):
+        each._experts_implementation = "grouped_mm"
     timed = {}
-    for family, experts in (("ours", KimiK3Experts(config)), ("HF qwen3_moe", Qwen3MoeExperts(qwen_cfg))):
+    experts_under_test = (
+        ("ours", KimiK3Experts(config)),
+        ("ours with SiLU instead of SiTU", KimiK3Experts(silu_config)),
+        ("HF qwen3_moe", Qwen3MoeExperts(qwen_cfg)),
+    )
+    for family, experts in experts_under_test:
         experts = initialise(experts)
         timed[f"{family} experts [grouped_mm]"] = _step_and_clear(
             lambda e=experts: e(tokens, indices, weights), experts, tokens
@@ -294,7 +304,8 @@ def run(quick: bool = False, repeats: int | None = None) -> dict:
                 "rows": blocks,
             },
             {
-                "caption": "Experts only, identical routing and FLOPs (time ratio against transformers).",
+                "caption": "Experts only, identical routing and FLOPs (time ratio against transformers); the SiLU row "
+                "isolates the cost of SiTU-GLU.",
                 "columns": list(experts[0]),
                 "rows": experts,
             },
