@@ -63,6 +63,12 @@ class KimiK3Config(PreTrainedConfig):
     qb_estimator (`str`, defaults to `"histogram"`): `"histogram"` or `"exact"` (keeps every required bias).
     record_attn_logit_max (`bool`, defaults to `False`): MLA layers record their per-head maximum pre-softmax logit
         during training forwards, for QK-Clip (training.md §2.5).
+
+    One runtime switch picks a kernel and changes no result beyond rounding, like `use_cache`:
+
+    use_fused_situ (`bool`, defaults to `True`): training forwards with large activations compute SiTU-GLU and its
+        backward as single kernels compiled by `torch.compile` (once per process, dynamic shapes); `False`, small
+        activations, inference and a failed compilation use the eager PyTorch reference `situ_and_mul`.
     """
 
     model_type = "kimi_k3"
@@ -140,6 +146,7 @@ class KimiK3Config(PreTrainedConfig):
     qb_num_bins: int = 1000
     qb_estimator: str = "histogram"
     record_attn_logit_max: bool = False
+    use_fused_situ: bool = True
 
     # Canonical transformers layer descriptions, derived from the released fields.
     layer_types: list[str] | None = None

@@ -92,6 +92,7 @@ def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta:
     """SiTU-GLU: β₁·tanh(g/β₁)·σ(g) · β₂·tanh(u/β₂), in fp32 (training.md §3.1); |out| <= β₁β₂.
 
     ``linear_beta=None`` leaves the up branch uncapped, as the released code does when the field is missing.
+    This is the reference; :class:`CompiledFunction` fuses it for training.
     """
     gate, up, dtype = upcast(gate), upcast(up), gate.dtype
     activated_gate = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
@@ -99,8 +100,55 @@ def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta:
     return (activated_gate * capped_up).to(dtype)
 
 
+def situ_glu(gate_up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """SiTU-GLU of ``[gate ‖ up]`` concatenated on the last dim, gate first (the released experts' layout)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return situ_and_mul(gate, up, beta, linear_beta)
+
+
+class CompiledFunction:
+    """``function`` compiled by ``torch.compile`` on first call, with dynamic shapes, shared by all its callers.
+
+    Eager SiTU-GLU is a dozen memory-bound elementwise passes forward and backward; inductor turns each direction
+    into one loop over the elements (3-4x faster on CPU at expert sizes, see benchmarks/README.md). One instance per
+    function keeps one compilation cache per process instead of one per layer. Inside an already-compiled region
+    the eager function is traced into the outer graph instead, and if compilation fails (e.g. no C++ compiler for
+    inductor's CPU code, no Triton on a GPU) the eager function is used from then on, with one warning.
+    """
+
+    def __init__(self, function: Callable):
+        self.function = function
+        self.compiled: Callable | None = None
+        self.failed = False
+
+    def __call__(self, *args):
+        if self.failed or torch.compiler.is_compiling():
+            return self.function(*args)
+        if self.compiled is None:
+            self.compiled = torch.compile(self.function, dynamic=True)
+        try:
+            return self.compiled(*args)
+        except Exception as error:  # any compiler failure: the eager reference computes the same values
+            self.failed = True
+            logger.warning(
+                f"torch.compile of `{self.function.__name__}` failed, using the eager PyTorch version from now on "
+                f"(set `use_fused_situ=False` in the config to skip the attempt): {error}"
+            )
+            return self.function(*args)
+
+
+fused_situ_and_mul = CompiledFunction(situ_and_mul)
+fused_situ_glu = CompiledFunction(situ_glu)
+
+
 class KimiK3GLUActivation(nn.Module):
-    """The gated activation shared by the dense MLP, the shared experts and the routed experts."""
+    """The gated activation shared by the dense MLP, the shared experts and the routed experts.
+
+    Training forwards whose activation has at least ``fused_min_elements`` elements use the fused SiTU-GLU
+    (``config.use_fused_situ``); anything smaller is not worth a compilation (decoding, tiny test models).
+    """
+
+    fused_min_elements = 2**18
 
     def __init__(self, config: KimiK3Config):
         super().__init__()
@@ -108,11 +156,27 @@ class KimiK3GLUActivation(nn.Module):
         self.beta = config.activation_situ_beta if config.activation_situ_beta is not None else 1.0
         self.linear_beta = config.activation_situ_linear_beta
         self.act_fn = None if config.hidden_act == "situ" else ACT2FN[config.hidden_act]
+        self.use_fused = config.use_fused_situ
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if self.act_fn is None:
-            return situ_and_mul(gate, up, self.beta, self.linear_beta)
-        return self.act_fn(gate) * up
+        if self.act_fn is not None:
+            return self.act_fn(gate) * up
+        situ = fused_situ_and_mul if self._fuses(gate) else situ_and_mul
+        return situ(gate, up, self.beta, self.linear_beta)
+
+    def concatenated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The activation of ``[gate ‖ up]``; fused, the backward writes the gradient of ``gate_up`` in one pass."""
+        if self.act_fn is None and self._fuses(gate_up):
+            return fused_situ_glu(gate_up, self.beta, self.linear_beta)
+        return self(*gate_up.chunk(2, dim=-1))
+
+    def _fuses(self, activation: torch.Tensor) -> bool:
+        return (
+            self.use_fused
+            and activation.requires_grad
+            and torch.is_grad_enabled()
+            and activation.numel() >= self.fused_min_elements
+        )
 
 
 class KimiK3MLP(nn.Module):
@@ -533,13 +597,29 @@ def histogram_range(bias: torch.Tensor, num_bins: int) -> tuple[torch.Tensor, to
     return low, (bias.max(-1, keepdim=True).values + 1 - low) / num_bins
 
 
-def required_bias_histogram(required_bias: torch.Tensor, bias: torch.Tensor, num_bins: int) -> torch.Tensor:
-    """Per-expert counts [n, B] (int64) of the required biases [N, n] in ``num_bins`` bins over ``histogram_range``."""
+def masked_counts(index: torch.Tensor, token_mask: torch.Tensor | None, size: int) -> torch.Tensor:
+    """Counts [size] (int64) of the values of ``index`` [N, m] in the rows where ``token_mask`` [N] is True.
+
+    Padding rows go to a spare slot that is dropped. Unlike boolean indexing, or ``bincount`` on a GPU, nothing here
+    needs a size that depends on the data, so recording statistics never waits for the device.
+    """
+    if token_mask is not None:
+        index = index.masked_fill(~token_mask[:, None], size)
+    ones = torch.ones((), dtype=torch.int64, device=index.device).expand(index.numel())
+    counts = torch.zeros(size + 1, dtype=torch.int64, device=index.device)
+    return counts.scatter_add_(0, index.reshape(-1), ones)[:size]
+
+
+def required_bias_histogram(
+    required_bias: torch.Tensor, bias: torch.Tensor, num_bins: int, token_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-expert counts [n, B] (int64) of the required biases [N, n] in ``num_bins`` bins over ``histogram_range``,
+    counting only the rows where ``token_mask`` is True."""
     low, width = histogram_range(bias, num_bins)
     bins = ((required_bias - low) / width).floor().clamp_(0, num_bins - 1).long()
     num_experts = bins.shape[-1]
     bins += torch.arange(num_experts, device=bins.device) * num_bins
-    return torch.bincount(bins.reshape(-1), minlength=num_experts * num_bins).view(num_experts, num_bins)
+    return masked_counts(bins, token_mask, num_experts * num_bins).view(num_experts, num_bins)
 
 
 class KimiK3TopkRouter(nn.Module):
@@ -593,17 +673,16 @@ class KimiK3TopkRouter(nn.Module):
 
     @torch.no_grad()
     def _record(self, scores, expert_indices, cutoff, token_mask) -> None:
-        if token_mask is not None:
-            scores, expert_indices = scores[token_mask], expert_indices[token_mask]
-            cutoff = cutoff[token_mask] if cutoff is not None else None
-        self.tokens_per_expert += torch.bincount(expert_indices.reshape(-1), minlength=self.num_experts)
+        self.tokens_per_expert += masked_counts(expert_indices, token_mask, self.num_experts)
         if cutoff is None:
             return
         required_bias = cutoff[:, None] - scores
-        if self.exact_quantiles:
-            self.qb_required_bias.append(required_bias)
+        if self.exact_quantiles:  # the reference estimator keeps the values, so it drops padding rows (a host sync)
+            self.qb_required_bias.append(required_bias if token_mask is None else required_bias[token_mask])
         else:
-            self.qb_histogram += required_bias_histogram(required_bias, self.e_score_correction_bias, self.num_bins)
+            self.qb_histogram += required_bias_histogram(
+                required_bias, self.e_score_correction_bias, self.num_bins, token_mask
+            )
 
     def reset_statistics(self) -> None:
         self.tokens_per_expert.zero_()
@@ -630,8 +709,7 @@ class KimiK3Experts(nn.Module):
         self.glu = KimiK3GLUActivation(config)
 
     def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up_out.chunk(2, dim=-1)
-        return self.glu(gate, up)
+        return self.glu.concatenated(gate_up_out)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         """Also accept the released per-expert keys (``{e}.w1/w3/w2.weight``) in plain ``load_state_dict``.

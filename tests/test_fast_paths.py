@@ -2,14 +2,26 @@
 
 Kernel-level equalities (sub-chunked `chunk_kda` ≡ `recurrent_kda` ≡ a naive loop) live in tests/test_kda.py; here the
 KDA layer is pinned end to end: its chunked prefill, with the gate lower bound it passes to the kernel, against
-token-by-token decoding through the cache, which runs the plain recurrence.
+token-by-token decoding through the cache, which runs the plain recurrence. The fused (compiled) SiTU-GLU is pinned
+to the eager `situ_and_mul`, alone and inside the MoE block, and falls back to it when compilation fails.
 """
 
+import pytest
 import torch
 from transformers.cache_utils import DynamicCache
+from transformers.testing_utils import CaptureLogger
 
 import modeling_kimi_k3
-from modeling_kimi_k3 import KimiK3DeltaAttention, kda_sub_chunk_size
+from modeling_kimi_k3 import (
+    CompiledFunction,
+    KimiK3DeltaAttention,
+    KimiK3GLUActivation,
+    KimiK3SparseMoeBlock,
+    fused_situ_and_mul,
+    fused_situ_glu,
+    kda_sub_chunk_size,
+    situ_and_mul,
+)
 from tests.conftest import tiny_config
 
 
@@ -47,3 +59,106 @@ def test_kda_layer_runs_the_sub_chunked_kernel_with_its_lower_bound(monkeypatch)
     monkeypatch.setattr(modeling_kimi_k3, "kda_intra_chunk_scores", recording_scores)
     layer(torch.randn(1, 70, config.hidden_size))
     assert used == [kda_sub_chunk_size(64, -5.0, torch.float32)] == [16]
+
+
+# ---------------------------------------------------------------------------------------------------------- SiTU-GLU
+def situ_inputs(rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """[gate ‖ up] spanning the regions where the tanh caps bite (|g| ≫ β₁ = 4, |u| ≫ β₂ = 25)."""
+    return (torch.randn(rows, 2 * width, dtype=torch.float64) * 20).to(dtype).requires_grad_()
+
+
+def value_and_grad(function, gate_up: torch.Tensor, linear_beta: float | None, concatenated: bool):
+    out = function(gate_up, 4.0, linear_beta) if concatenated else function(*gate_up.chunk(2, -1), 4.0, linear_beta)
+    (grad,) = torch.autograd.grad(out, gate_up, torch.randn_like(out, generator=torch.Generator().manual_seed(1)))
+    return out, grad
+
+
+@pytest.mark.parametrize(
+    ("dtype", "linear_beta", "concatenated", "tolerance"),
+    [
+        (torch.float64, 25.0, True, 1e-12),
+        (torch.float64, 25.0, False, 1e-12),
+        (torch.float32, None, True, 2e-6),
+    ],
+)
+def test_fused_situ_equals_the_reference_forward_and_backward(dtype, linear_beta, concatenated, tolerance):
+    """Compiled SiTU-GLU ≡ eager `situ_and_mul`, values and input gradients, at two odd shapes (dynamic shapes)."""
+    fused = fused_situ_glu if concatenated else fused_situ_and_mul
+    reference = modeling_kimi_k3.situ_glu if concatenated else situ_and_mul
+    for rows, width in [(37, 24), (301, 40)]:
+        gate_up = situ_inputs(rows, width, dtype)
+        out, grad = value_and_grad(fused, gate_up, linear_beta, concatenated)
+        expected_out, expected_grad = value_and_grad(reference, gate_up, linear_beta, concatenated)
+        assert out.dtype == dtype and grad.shape == gate_up.shape
+        # Absolute error relative to the largest value: saturated tanh/sigmoid gradients round differently near 0.
+        torch.testing.assert_close(out, expected_out, rtol=tolerance, atol=tolerance * expected_out.abs().max().item())
+        torch.testing.assert_close(grad, expected_grad, rtol=tolerance, atol=tolerance * expected_grad.abs().max().item())
+    assert not fused.failed
+
+
+class Spy:
+    """Counts calls of a module-level function of modeling_kimi_k3 and delegates to it."""
+
+    def __init__(self, monkeypatch, name: str):
+        self.function, self.calls = getattr(modeling_kimi_k3, name), 0
+        monkeypatch.setattr(modeling_kimi_k3, name, self)
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.function(*args)
+
+
+def moe_block_outputs(use_fused_situ: bool, hidden: torch.Tensor):
+    torch.manual_seed(0)
+    config = tiny_config(use_fused_situ=use_fused_situ)
+    config._experts_implementation = "grouped_mm"  # what a model sets up; a bare block would run the eager loop
+    block = KimiK3SparseMoeBlock(config).train()
+    for parameter in block.parameters():
+        torch.nn.init.normal_(parameter, std=0.3)
+    hidden = hidden.clone().requires_grad_()
+    out = block(hidden)
+    out.backward(torch.ones_like(out))
+    return out, hidden.grad, {name: p.grad for name, p in block.named_parameters() if p.grad is not None}
+
+
+def test_moe_block_trains_through_the_fused_situ_and_matches_the_eager_block(monkeypatch):
+    """Routed experts (concatenated gate/up) and shared experts (separate) both take the fused kernel."""
+    monkeypatch.setattr(KimiK3GLUActivation, "fused_min_elements", 64)
+    concatenated, separate = Spy(monkeypatch, "fused_situ_glu"), Spy(monkeypatch, "fused_situ_and_mul")
+    hidden = torch.randn(2, 45, tiny_config().hidden_size)
+    out, hidden_grad, grads = moe_block_outputs(True, hidden)
+    assert concatenated.calls == 1 and separate.calls == 1
+    expected_out, expected_hidden_grad, expected_grads = moe_block_outputs(False, hidden)
+    assert concatenated.calls == 1 and separate.calls == 1
+    torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hidden_grad, expected_hidden_grad, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == expected_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], expected_grads[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_fused_situ_is_not_compiled_for_inference_or_small_activations(monkeypatch):
+    spies = Spy(monkeypatch, "fused_situ_glu"), Spy(monkeypatch, "fused_situ_and_mul")
+    block = KimiK3SparseMoeBlock(tiny_config()).train()
+    block(torch.randn(1, 9, tiny_config().hidden_size)).sum().backward()  # below fused_min_elements
+    monkeypatch.setattr(KimiK3GLUActivation, "fused_min_elements", 1)
+    with torch.no_grad():
+        block(torch.randn(1, 9, tiny_config().hidden_size))
+    assert [spy.calls for spy in spies] == [0, 0]
+
+
+def test_failed_compilation_falls_back_to_the_reference_with_one_warning(monkeypatch):
+    """A broken toolchain (here: inductor pointed at a C++ compiler that does not exist) costs speed, not results."""
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/nonexistent/c++",))
+
+    def situ_with_fresh_graph(gate, up, beta, linear_beta):  # a new code object: nothing cached to reuse
+        return situ_and_mul(gate, up, beta, linear_beta)
+
+    fused = CompiledFunction(situ_with_fresh_graph)
+    gate_up = situ_inputs(16, 8, torch.float32)
+    with CaptureLogger(modeling_kimi_k3.logger) as captured:
+        first, first_grad = value_and_grad(fused, gate_up, 25.0, concatenated=False)
+        second, _ = value_and_grad(fused, gate_up, 25.0, concatenated=False)
+    expected, expected_grad = value_and_grad(situ_and_mul, gate_up, 25.0, concatenated=False)
+    assert fused.failed and captured.out.count("torch.compile of `situ_with_fresh_graph` failed") == 1
+    assert torch.equal(first, expected) and torch.equal(second, expected) and torch.equal(first_grad, expected_grad)
