@@ -1,11 +1,14 @@
 """Our own model card (``README.md``) for a trained Kimi K3 folder.
 
 ``model.push_to_hub`` would replace README.md with the hub's card or the generic "Model Card for Model ID" template
-(hf-integration.md §1.5), so the card is rendered here from ``model_cards/README.template.md`` and uploaded with the
-folder.
+(hf-integration.md §1.5), so the card is rendered here from the package's ``templates/model_card.md`` and uploaded
+with the folder.
 """
 
+import os
 from dataclasses import asdict, dataclass
+from importlib.resources import files
+from importlib.resources.abc import Traversable
 from pathlib import Path
 
 import torch
@@ -14,7 +17,8 @@ from huggingface_hub import ModelCard, ModelCardData
 from configuration_kimi_k3 import KimiK3Config
 from modeling_kimi_k3 import KimiK3ForCausalLM
 
-TEMPLATE_PATH = Path(__file__).resolve().parent.parent / "model_cards" / "README.template.md"
+# Package data, so the template ships in the wheel and is found in any install, not only in a source checkout.
+TEMPLATE_PATH = files("kimi_k3") / "templates" / "model_card.md"
 TAGS = ["custom_code", "kimi_k3", "moe", "text-generation"]
 # Columns of the per-layer load-balance table: metric key of balance_metrics.load_balance_metrics -> header.
 BALANCE_COLUMNS = {
@@ -88,9 +92,15 @@ def render_model_card(
     name: str,
     summary: TrainingSummary | None = None,
     layer_balance: dict[str, dict[str, float]] | None = None,
-    template_path: Path = TEMPLATE_PATH,
+    template_path: str | os.PathLike | Traversable = TEMPLATE_PATH,
 ) -> ModelCard:
-    """The card of ``model`` published as ``name``; training sections are omitted when ``summary`` is None."""
+    """The card of ``model`` published as ``name``; training sections are omitted when ``summary`` is None.
+
+    The template is read here rather than by ``ModelCard.from_template`` because package data need not be a file on
+    disk (e.g. a zipped install).
+    """
+    if isinstance(template_path, (str, os.PathLike)):
+        template_path = Path(template_path)
     card_data = ModelCardData(
         library_name="transformers",
         pipeline_tag="text-generation",
@@ -105,7 +115,7 @@ def render_model_card(
     ]
     return ModelCard.from_template(
         card_data,
-        template_path=str(template_path),
+        template_str=template_path.read_text(encoding="utf-8"),
         name=name,
         config=model.config,
         architecture=architecture_summary(model.config),

@@ -1,10 +1,16 @@
 """Publishing through the standard hub client, against a local stand-in for the hub: what is uploaded, that the card
-is ours, and that the uploaded folder reloads with trust_remote_code and generates what the local folder does."""
+is ours, and that the uploaded folder reloads with trust_remote_code and generates what the local folder does; and
+that a wheel install, without the source tree, still renders the card."""
 
 import inspect
+import json
+import os
 import re
 import runpy
 import shutil
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import huggingface_hub
@@ -13,6 +19,7 @@ from huggingface_hub import HfApi, ModelCard, RepoUrl
 from huggingface_hub.utils import filter_repo_objects
 
 from kimi_k3 import hub
+from tests.conftest import TINY_CONFIG
 from tests.test_train import generate_in_fresh_process, run_main, sampled_continuation, tiny_args, write_corpus
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,6 +28,23 @@ MODEL_FILES = {
     "README.md", "config.json", "configuration_kimi_k3.py", "generation_config.json", "model.safetensors",
     "modeling_kimi_k3.py", "tokenizer.json", "tokenizer_config.json",
 }  # fmt: skip
+
+# Runs in `python -I`, which ignores PYTHONPATH and puts neither cwd nor the repository on sys.path: the unpacked wheel
+# goes first on sys.path here, and the imported modules must come from it.
+RENDER_CARD_FROM_WHEEL = """
+import json, sys
+from pathlib import Path
+site, config = Path(sys.argv[1]), json.loads(sys.argv[2])
+sys.path.insert(0, str(site))
+import torch
+import configuration_kimi_k3, modeling_kimi_k3
+from kimi_k3 import model_card
+for module in (configuration_kimi_k3, modeling_kimi_k3, model_card):
+    assert Path(module.__file__).is_relative_to(site), module.__file__
+with torch.device("meta"):
+    model = modeling_kimi_k3.KimiK3ForCausalLM(configuration_kimi_k3.KimiK3Config(**config))
+print(model_card.render_model_card(model, "wheel-card").content)
+"""
 
 
 class FakeHfApi:
@@ -136,3 +160,27 @@ def test_push_script_without_token_exits_nonzero_and_writes_nothing(pushed, tmp_
     assert push_script_main()([str(checkpoint), "--repo_id", REPO_ID]) == 2
     assert "needs a token" in capsys.readouterr().err
     assert sorted(path.name for path in checkpoint.iterdir()) == before
+
+
+def test_wheel_ships_card_template_and_renders_card_outside_source_tree(tmp_path):
+    source = tmp_path / "source"  # a copy, so the build leaves no build/ or egg-info behind in the repository
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
+        ".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "outputs", "runs"
+    ))  # fmt: skip
+    build = [sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "-w", str(tmp_path)]
+    built = subprocess.run(build, cwd=source, capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    (wheel,) = tmp_path.glob("kimi_k3-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        assert "kimi_k3/templates/model_card.md" in archive.namelist()
+        archive.extractall(tmp_path / "site")
+
+    shutil.rmtree(source)  # only the wheel's files remain to import from
+    result = subprocess.run(
+        [sys.executable, "-I", "-c", RENDER_CARD_FROM_WHEEL, str(tmp_path / "site"), json.dumps(TINY_CONFIG)],
+        cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    card = ModelCard(result.stdout)
+    assert card.data.model_name == "wheel-card" and "kimi_k3" in card.data.tags
+    assert "# wheel-card" in card.text and "| total |" in card.text and "## Training" not in card.text
