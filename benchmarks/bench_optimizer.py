@@ -1,12 +1,14 @@
-"""Per-Head Muon against AdamW and torch.optim.Muon: optimizer step time and loss at equal steps.
+"""P4: Per-Head Muon against AdamW and torch.optim.Muon: optimizer step time and loss at equal steps.
 
-(a) Step time on the default ``KimiK3Config()`` model with fixed random gradients, min over ``--reps`` steps, as
-    ratios to AdamW measured in the same run:
+(a) ``run()`` (part of ``run_all.py``): step time on the default ``KimiK3Config()`` model with fixed random
+    gradients, interleaved, as ratios to AdamW measured in the same run:
     - PerHeadMuon (per-head q/k/v blocks, experts per matrix, AdamW for the rest, training.md §2.4);
     - the same optimizer with whole q/k/v matrices, which isolates the per-head Newton–Schulz cost;
     - torch.optim.Muon(adjust_lr_fn="match_rms_adamw") on the 2-D Muon matrices, AdamW on everything else
       (including the 3-D experts, which torch's Muon rejects);
-    - AdamW, fused (the Trainer default).
+    - AdamW, fused (the Trainer default);
+    - Newton–Schulz alone on PerHeadMuon's blocks, and the floor any exact NS5 has here: its FLOPs at the bf16
+      matmul rate of the same block shapes, measured in the run.
 (b) ``transformers.Trainer`` with PerHeadMuon and with the Trainer's AdamW for the same steps on byte-level text of
     Python's own documentation (``pydoc_data.topics``), same init and data order, printing the final eval losses.
     The learning rates were tuned once with ``--sweep`` at the defaults (final eval loss; best in brackets):
@@ -20,16 +22,26 @@
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-
-import torch
-from pydoc_data.topics import topics
-from transformers import PrinterCallback, ProgressCallback, Trainer, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+# benchmarks.common first: it sets the OpenMP wait policy before torch is loaded.
+from benchmarks.common import render_markdown, time_interleaved  # noqa: E402
+import torch  # noqa: E402
+from pydoc_data.topics import topics  # noqa: E402
+from transformers import PrinterCallback, ProgressCallback, Trainer, TrainingArguments  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
-from kimi_k3.muon import PerHeadMuon, PerHeadMuonFactory, build_param_groups  # noqa: E402
+from kimi_k3.muon import (  # noqa: E402
+    NS_STEPS,
+    PerHeadMuon,
+    PerHeadMuonFactory,
+    build_param_groups,
+    orthogonalize_by_shape,
+    row_pattern,
+    split_row_blocks,
+)
 from modeling_kimi_k3 import KimiK3ForCausalLM  # noqa: E402
 
 TUNED_LR = {"PerHeadMuon": 3e-3, "AdamW": 3e-3}
@@ -40,7 +52,7 @@ BETAS = (0.9, 0.95)
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--reps", type=int, default=5, help="timed optimizer steps per optimizer (min is reported)")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved timed steps per optimizer in (a)")
     parser.add_argument("--steps", type=int, default=200, help="Trainer optimizer steps per run in (b)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per step in (b)")
     parser.add_argument("--seq-len", type=int, default=64, help="bytes per sequence in (b)")
@@ -70,35 +82,62 @@ def step_time_optimizers(model: KimiK3ForCausalLM) -> dict[str, list[torch.optim
     }
 
 
-def min_step_seconds(optimizers: list[torch.optim.Optimizer], reps: int) -> float:
-    for optimizer in optimizers:  # the first step allocates the state
-        optimizer.step()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for optimizer in optimizers:
-            optimizer.step()
-        times.append(time.perf_counter() - start)
-    return min(times)
+def newton_schulz_blocks(optimizer: PerHeadMuon) -> list[torch.Tensor]:
+    """The block stacks ``optimizer`` orthogonalizes (the gradients stand in for the Nesterov momentum)."""
+    groups = [group for group in optimizer.param_groups if group["use_muon"]]
+    return [stack for group in groups for p in group["params"] for stack in split_row_blocks(p.grad, row_pattern(group))]
 
 
-def step_time_table(reps: int) -> str:
+def newton_schulz_flops(stacks: list[torch.Tensor]) -> float:
+    """NS5 FLOPs: per step X·Xᵀ (2r²c), A·A (2r³) and B·X (2r²c) on the wide view (r <= c) of every block."""
+    total = 0.0
+    for stack in stacks:
+        rows, cols = sorted(stack.shape[1:])
+        total += stack.shape[0] * NS_STEPS * (4 * rows * rows * cols + 2 * rows**3)
+    return total
+
+
+def bf16_block_matmul(stacks: list[torch.Tensor]) -> tuple[Callable, float]:
+    """One X·Xᵀ over all blocks in bf16, grouped by shape as NS5 runs it, and its FLOPs: the rate NS5 can reach."""
+    batches = [torch.cat([s.bfloat16() for s in stacks if s.shape[1:] == shape]) for shape in {s.shape[1:] for s in stacks}]
+    batches = [batch.mT if batch.shape[-2] > batch.shape[-1] else batch for batch in batches]
+    flops = sum(2.0 * b.shape[0] * b.shape[-2] ** 2 * b.shape[-1] for b in batches)
+    return (lambda: [b @ b.mT for b in batches]), flops
+
+
+def run(quick: bool = False, repeats: int | None = None) -> dict:
+    repeats = repeats or (2 if quick else 5)
     torch.manual_seed(0)
     model = KimiK3ForCausalLM(KimiK3Config())
     for p in model.parameters():
         p.grad = torch.randn_like(p)
-    seconds = {name: min_step_seconds(optimizers, reps) for name, optimizers in step_time_optimizers(model).items()}
+    candidates, optimizers_by_name = {}, step_time_optimizers(model)
+    for name, optimizers in optimizers_by_name.items():
+        for optimizer in optimizers:  # the first step allocates the state
+            optimizer.step()
+        candidates[name] = lambda optimizers=optimizers: [optimizer.step() for optimizer in optimizers]
+    stacks = newton_schulz_blocks(optimizers_by_name["PerHeadMuon"][0])
+    candidates["Newton-Schulz alone (PerHeadMuon's blocks)"] = lambda: orthogonalize_by_shape(stacks)
+    gram, gram_flops = bf16_block_matmul(stacks)
+    candidates["bf16 X·Xᵀ of the same blocks (rate probe)"] = gram
+    seconds = time_interleaved(candidates, repeats=repeats)
+    adamw = seconds["AdamW (fused)"]
+    rate = gram_flops / seconds.pop("bf16 X·Xᵀ of the same blocks (rate probe)")
+    floor = newton_schulz_flops(stacks) / rate
+    rows = [{"optimizer": name, "step ms": value * 1e3, "÷ AdamW": value / adamw} for name, value in seconds.items()]
+    rows.append({"optimizer": "floor: NS5 FLOPs at the probed bf16 rate", "step ms": floor * 1e3, "÷ AdamW": floor / adamw})
     millions = sum(p.numel() for p in model.parameters()) / 1e6
-    lines = [
-        f"(a) optimizer step, default KimiK3Config() ({millions:.1f}M parameters), min of {reps} steps, "
-        f"{torch.get_num_threads()} threads",
-        "",
-        "| optimizer | step (ms) | ÷ AdamW |",
-        "|---|---:|---:|",
-    ]
-    baseline = seconds["AdamW (fused)"]
-    lines += [f"| {name} | {value * 1e3:.1f} | {value / baseline:.2f} |" for name, value in seconds.items()]
-    return "\n".join(lines)
+    return {
+        "title": f"P4 - optimizer step, default KimiK3Config() ({millions:.1f}M parameters), random gradients",
+        "tables": [{"caption": "", "columns": ["optimizer", "step ms", "÷ AdamW"], "rows": rows}],
+        "notes": [
+            f"Newton–Schulz: {sum(s.shape[0] for s in stacks):,} blocks, {newton_schulz_flops(stacks) / 1e9:.0f} GFLOP "
+            f"per step; bf16 block matmuls ran at {rate / 1e9:.0f} GFLOP/s here.",
+            "AdamW is memory-bound (a few passes over the parameters); Muon adds O(rows) FLOPs per parameter, so no "
+            "exact NS5 implementation can come below the floor row on this machine.",
+            "Target: <= 1.5x AdamW.",
+        ],
+    }
 
 
 # ------------------------------------------------------------------------------------------------ (b) Trainer runs
@@ -179,7 +218,7 @@ def training_table(args: argparse.Namespace, learning_rates: dict[str, tuple[flo
 def main() -> None:
     args = parse_args()
     if not args.skip_timing and not args.sweep:
-        print(step_time_table(args.reps), end="\n\n", flush=True)
+        print(render_markdown("optimizer", run(repeats=args.repeats)), flush=True)
     grid = LR_GRID if args.sweep else {name: (lr,) for name, lr in TUNED_LR.items()}
     print(training_table(args, grid))
 

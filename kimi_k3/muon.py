@@ -105,7 +105,7 @@ def orthogonalize_by_shape(stacks):
         by_shape[tuple(stack.shape[1:])].append(index)
     outputs = [None] * len(stacks)
     for indices in by_shape.values():
-        batch = torch.cat([stacks[i] for i in indices])
+        batch = torch.cat([stacks[i].bfloat16() for i in indices])  # cast first: half the bytes to copy
         pieces = zeropower_via_newton_schulz5(batch).split([stacks[i].shape[0] for i in indices])
         for index, piece in zip(indices, pieces):
             outputs[index] = piece
@@ -179,9 +179,14 @@ class PerHeadMuon(torch.optim.Optimizer):
         stacks = [split_row_blocks(update, pattern) for update, (_, _, pattern) in zip(updates, jobs)]
         orthogonal = iter(orthogonalize_by_shape([stack for per_param in stacks for stack in per_param]))
         for (p, group, pattern), per_param in zip(jobs, stacks):
-            scaled = [block.to(p.dtype) * _match_rms_scale(block) for _, block in zip(per_param, orthogonal)]
+            blocks = [block for _, block in zip(per_param, orthogonal)]
+            scales = {_match_rms_scale(block) for block in blocks}
+            if len(scales) == 1:  # one block shape: the scale goes into the fp32 add, no scaled bf16 copies
+                scale = scales.pop()
+            else:
+                blocks, scale = [block.to(p.dtype) * _match_rms_scale(block) for block in blocks], 1.0
             p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.add_(merge_row_blocks(scaled, pattern, p.shape), alpha=-group["lr"])
+            p.add_(merge_row_blocks(blocks, pattern, p.shape), alpha=-group["lr"] * scale)
 
     def _nesterov_momentum(self, p, group):
         state = self.state[p]
