@@ -110,7 +110,7 @@ class CompiledFunction:
     """``function`` compiled by ``torch.compile`` on first call, with dynamic shapes, shared by all its callers.
 
     Eager SiTU-GLU is a dozen memory-bound elementwise passes forward and backward; inductor turns each direction
-    into one loop over the elements (3-4x faster on CPU at expert sizes, see benchmarks/README.md). One instance per
+    into one loop over the elements (2-4x faster on CPU at expert sizes, see benchmarks/README.md). One instance per
     function keeps one compilation cache per process instead of one per layer. Inside an already-compiled region
     the eager function is traced into the outer graph instead, and if compilation fails (e.g. no C++ compiler for
     inductor's CPU code, no Triton on a GPU) the eager function is used from then on, with one warning.
