@@ -1,4 +1,5 @@
-"""The model actually takes its fast paths, and they equal the slow references inside the model.
+"""The model actually takes its fast paths, they equal the slow references inside the model, and training never waits
+for the device in model code.
 
 Kernel-level equalities (sub-chunked `chunk_kda` ≡ `recurrent_kda` ≡ a naive loop) live in tests/test_kda.py; here the
 KDA layer is pinned end to end: its chunked prefill, with the gate lower bound it passes to the kernel, against
@@ -6,9 +7,13 @@ token-by-token decoding through the cache, which runs the plain recurrence. The 
 to the eager `situ_and_mul`, alone and inside the MoE block, and falls back to it when compilation fails.
 """
 
+import os
+import traceback
+
 import pytest
 import torch
 from transformers.cache_utils import DynamicCache
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.testing_utils import CaptureLogger
 
 import modeling_kimi_k3
@@ -23,6 +28,8 @@ from modeling_kimi_k3 import (
     situ_and_mul,
 )
 from tests.conftest import tiny_config
+
+aten = torch.ops.aten
 
 
 def kda_layer(dtype=torch.float64) -> tuple[KimiK3DeltaAttention, object]:
@@ -162,3 +169,60 @@ def test_failed_compilation_falls_back_to_the_reference_with_one_warning(monkeyp
     expected, expected_grad = value_and_grad(situ_and_mul, gate_up, 25.0, concatenated=False)
     assert fused.failed and captured.out.count("torch.compile of `situ_with_fresh_graph` failed") == 1
     assert torch.equal(first, expected) and torch.equal(second, expected) and torch.equal(first_grad, expected_grad)
+
+
+# ------------------------------------------------------------------------------------------------ host synchronisation
+class HostSyncRecorder(TorchDispatchMode):
+    """Records ops whose result the host must read back (on a GPU, a wait for the device): `.item()`/`bool()`/
+    `.tolist()` (``_local_scalar_dense``), outputs sized by the data (``nonzero``, ``masked_select``, ``bincount``,
+    ``unique``, ...) and boolean-mask indexing, each with the line that issued it. Ops issued inside transformers are
+    left out: its mask helpers check whether a padding mask is all ones, outside this project's code."""
+
+    DATA_DEPENDENT = {
+        aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten.bincount, aten._unique2,
+        aten.unique_consecutive, aten.unique_dim, aten.repeat_interleave,
+    }
+
+    def __init__(self):
+        super().__init__()
+        self.syncs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        indices = args[1] if func.overloadpacket is aten.index else ()
+        boolean_index = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
+        if func.overloadpacket in self.DATA_DEPENDENT or boolean_index:
+            caller = next(f for f in reversed(traceback.extract_stack()[:-1]) if f"{os.sep}torch{os.sep}" not in f.filename)
+            if f"{os.sep}transformers{os.sep}" not in caller.filename:
+                self.syncs.append(f"{func} at {os.path.basename(caller.filename)}:{caller.lineno} ({caller.name})")
+        return func(*args, **(kwargs or {}))
+
+
+def training_step_syncs(model) -> list[str]:
+    """Host syncs of model code in one forward+backward with padding (``inputs_embeds`` stands in for ``input_ids``,
+    whose range check reads values for CPU inputs only, by design)."""
+    ids = torch.randint(0, model.config.vocab_size, (2, 20))
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[1, :5] = 0
+    embeds = model.get_input_embeddings()(ids)
+    with HostSyncRecorder() as recorder:
+        model(inputs_embeds=embeds, attention_mask=mask, labels=ids).loss.backward()
+    return recorder.syncs
+
+
+def test_training_step_never_waits_for_the_device_in_model_code():
+    """Padding, QB statistics, QK-Clip recording, both attention types, experts and loss: no host-synchronising op."""
+    model = modeling_kimi_k3.KimiK3ForCausalLM(tiny_config(record_attn_logit_max=True)).train()
+    assert training_step_syncs(model) == []
+    routers = [module for module in model.modules() if isinstance(module, modeling_kimi_k3.KimiK3TopkRouter)]
+    assert all(router.tokens_per_expert.sum() == 35 * router.top_k for router in routers)  # valid tokens only
+
+
+def test_the_sync_recorder_catches_boolean_mask_indexing(monkeypatch):
+    """The recorder is not blind: the boolean-mask filtering that `masked_counts` replaced is reported."""
+
+    def record_with_boolean_mask(self, scores, expert_indices, cutoff, token_mask):
+        self.tokens_per_expert += torch.bincount(expert_indices[token_mask].reshape(-1), minlength=self.num_experts)
+
+    monkeypatch.setattr(modeling_kimi_k3.KimiK3TopkRouter, "_record", record_with_boolean_mask)
+    syncs = training_step_syncs(modeling_kimi_k3.KimiK3ForCausalLM(tiny_config()).train())
+    assert any("aten.index" in sync for sync in syncs) and any("bincount" in sync for sync in syncs)
