@@ -130,9 +130,10 @@ class CompiledFunction:
             return self.compiled(*args)
         except Exception as error:  # any compiler failure: the eager reference computes the same values
             self.failed = True
+            reason = (str(error).strip().splitlines() or [""])[0]
             logger.warning(
                 f"torch.compile of `{self.function.__name__}` failed, using the eager PyTorch version from now on "
-                f"(set `use_fused_situ=False` in the config to skip the attempt): {error}"
+                f"(set `use_fused_situ=False` in the config to skip the attempt): {type(error).__name__}: {reason}"
             )
             return self.function(*args)
 
