@@ -615,11 +615,13 @@ def required_bias_histogram(
     required_bias: torch.Tensor, bias: torch.Tensor, num_bins: int, token_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Per-expert counts [n, B] (int64) of the required biases [N, n] in ``num_bins`` bins over ``histogram_range``,
-    counting only the rows where ``token_mask`` is True."""
+    counting only the rows where ``token_mask`` is True. NaN (the scores of a diverged step, which the loss already
+    shows) is not counted instead of becoming an out-of-range bin index."""
     low, width = histogram_range(bias, num_bins)
-    bins = ((required_bias - low) / width).floor().clamp_(0, num_bins - 1).long()
-    num_experts = bins.shape[-1]
-    bins += torch.arange(num_experts, device=bins.device) * num_bins
+    position = ((required_bias - low) / width).floor().clamp_(0, num_bins - 1)
+    num_experts = position.shape[-1]
+    bins = position.long() + torch.arange(num_experts, device=position.device) * num_bins
+    bins.masked_fill_(position.isnan(), num_experts * num_bins)  # masked_counts' dropped spare slot
     return masked_counts(bins, token_mask, num_experts * num_bins).view(num_experts, num_bins)
 
 

@@ -115,13 +115,19 @@ class Spy:
         return self.function(*args)
 
 
-def moe_block_outputs(use_fused_situ: bool, hidden: torch.Tensor):
+def tiny_moe_block(**overrides) -> KimiK3SparseMoeBlock:
+    """A training-mode MoE block of the tiny config with N(0, 0.3) weights (a bare module's are uninitialised)."""
     torch.manual_seed(0)
-    config = tiny_config(use_fused_situ=use_fused_situ)
+    config = tiny_config(**overrides)
     config._experts_implementation = "grouped_mm"  # what a model sets up; a bare block would run the eager loop
     block = KimiK3SparseMoeBlock(config).train()
     for parameter in block.parameters():
         torch.nn.init.normal_(parameter, std=0.3)
+    return block
+
+
+def moe_block_outputs(use_fused_situ: bool, hidden: torch.Tensor):
+    block = tiny_moe_block(use_fused_situ=use_fused_situ)
     hidden = hidden.clone().requires_grad_()
     out = block(hidden)
     out.backward(torch.ones_like(out))
@@ -146,7 +152,7 @@ def test_moe_block_trains_through_the_fused_situ_and_matches_the_eager_block(mon
 
 def test_fused_situ_is_not_compiled_for_inference_or_small_activations(monkeypatch):
     spies = Spy(monkeypatch, "fused_situ_glu"), Spy(monkeypatch, "fused_situ_and_mul")
-    block = KimiK3SparseMoeBlock(tiny_config()).train()
+    block = tiny_moe_block()
     block(torch.randn(1, 9, tiny_config().hidden_size)).sum().backward()  # below fused_min_elements
     monkeypatch.setattr(KimiK3GLUActivation, "fused_min_elements", 1)
     with torch.no_grad():

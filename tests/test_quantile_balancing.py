@@ -434,12 +434,16 @@ def test_padding_is_routed_but_not_counted(model):
 
 
 def test_padding_rows_are_dropped_without_boolean_indexing():
-    """The masked histogram (spare bin, no host sync) equals the histogram of the valid rows alone."""
+    """The masked histogram (spare bin, no host sync) equals the histogram of the valid rows alone; NaN rows (a
+    diverged step) are left out the same way."""
     scores, bias = torch.rand(300, 12), 0.1 * torch.randn(12)
     _, r = required_bias(scores, bias, 3)
     mask = torch.rand(300) > 0.3
     assert torch.equal(required_bias_histogram(r, bias, 50, mask), required_bias_histogram(r[mask], bias, 50))
     assert required_bias_histogram(r, bias, 50, torch.zeros(300, dtype=torch.bool)).sum() == 0
+    diverged = r.clone()
+    diverged[~mask] = float("nan")
+    assert torch.equal(required_bias_histogram(diverged, bias, 50), required_bias_histogram(r[mask], bias, 50))
 
 
 def test_save_and_reload_keep_the_bias_bit_exact_without_statistics(model, tmp_path):
