@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from torch import nn
+from torch.autograd.function import once_differentiable
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
@@ -92,12 +93,34 @@ def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta:
     """SiTU-GLU: β₁·tanh(g/β₁)·σ(g) · β₂·tanh(u/β₂), in fp32 (training.md §3.1); |out| <= β₁β₂.
 
     ``linear_beta=None`` leaves the up branch uncapped, as the released code does when the field is missing.
-    This is the reference; :class:`CompiledFunction` fuses it for training.
+    This is the reference; :class:`FusedSiTUGLU` fuses it for training.
     """
     gate, up, dtype = upcast(gate), upcast(up), gate.dtype
     activated_gate = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
     capped_up = up if linear_beta is None else linear_beta * torch.tanh(up / linear_beta)
     return (activated_gate * capped_up).to(dtype)
+
+
+def situ_and_mul_backward(
+    gate: torch.Tensor, up: torch.Tensor, grad_output: torch.Tensor, beta: float, linear_beta: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input gradients of :func:`situ_and_mul`, written out so that the fused kernels need no autograd.
+
+    With t = tanh(g/β₁), σ = σ(g) and c = β₂·tanh(u/β₂): ∂/∂g = c·σ·((1 − t²) + β₁·t·(1 − σ)),
+    ∂/∂u = β₁·t·σ·(1 − tanh²(u/β₂)) (∂/∂u = β₁·t·σ when the up branch is uncapped).
+    """
+    dtypes = gate.dtype, up.dtype
+    gate, up, grad_output = upcast(gate), upcast(up), upcast(grad_output)
+    gate_tanh, gate_sigmoid = torch.tanh(gate / beta), torch.sigmoid(gate)
+    if linear_beta is None:
+        capped_up, capped_up_slope = up, 1.0
+    else:
+        up_tanh = torch.tanh(up / linear_beta)
+        capped_up, capped_up_slope = linear_beta * up_tanh, 1 - up_tanh * up_tanh
+    gate_slope = gate_sigmoid * ((1 - gate_tanh * gate_tanh) + beta * gate_tanh * (1 - gate_sigmoid))
+    grad_gate = grad_output * capped_up * gate_slope
+    grad_up = grad_output * beta * gate_tanh * gate_sigmoid * capped_up_slope
+    return grad_gate.to(dtypes[0]), grad_up.to(dtypes[1])
 
 
 def situ_glu(gate_up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
@@ -106,14 +129,21 @@ def situ_glu(gate_up: torch.Tensor, beta: float, linear_beta: float | None) -> t
     return situ_and_mul(gate, up, beta, linear_beta)
 
 
+def situ_glu_backward(
+    gate_up: torch.Tensor, grad_output: torch.Tensor, beta: float, linear_beta: float | None
+) -> torch.Tensor:
+    """Gradient of :func:`situ_glu` with respect to ``gate_up``, in the same concatenated layout."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.cat(situ_and_mul_backward(gate, up, grad_output, beta, linear_beta), dim=-1)
+
+
 class CompiledFunction:
     """``function`` compiled by ``torch.compile`` on first call, with dynamic shapes, shared by all its callers.
 
-    Eager SiTU-GLU is a dozen memory-bound elementwise passes forward and backward; inductor turns each direction
-    into one loop over the elements (2-4x faster on CPU at expert sizes, see benchmarks/README.md). One instance per
-    function keeps one compilation cache per process instead of one per layer. Inside an already-compiled region
-    the eager function is traced into the outer graph instead, and if compilation fails (e.g. no C++ compiler for
-    inductor's CPU code, no Triton on a GPU) the eager function is used from then on, with one warning.
+    One instance per function keeps one compilation cache per process instead of one per layer. Inside an
+    already-compiled region the eager function is traced into the outer graph instead. If compilation fails (no C++
+    compiler for inductor's CPU code, no Triton on a GPU, a Python that dynamo does not support) the eager function
+    is used from then on, after one warning; the kernel's own runtime errors (e.g. out of memory) propagate.
     """
 
     def __init__(self, function: Callable):
@@ -125,39 +155,89 @@ class CompiledFunction:
         if self.failed or torch.compiler.is_compiling():
             return self.function(*args)
         if self.compiled is None:
-            self.compiled = torch.compile(self.function, dynamic=True)
+            try:
+                self.compiled = torch.compile(self.function, dynamic=True)
+            except RuntimeError as error:
+                return self._fall_back(error, args)
         try:
             return self.compiled(*args)
-        except Exception as error:  # any compiler failure: the eager reference computes the same values
-            self.failed = True
-            reason = (str(error).strip().splitlines() or [""])[0]
-            logger.warning(
-                f"torch.compile of `{self.function.__name__}` failed, using the eager PyTorch version from now on "
-                f"(set `use_fused_situ=False` in the config to skip the attempt): {type(error).__name__}: {reason}"
-            )
-            return self.function(*args)
+        except Exception as error:
+            from torch._dynamo.exc import TorchDynamoException  # loaded by the compiled call
+
+            if not isinstance(error, TorchDynamoException):
+                raise
+            return self._fall_back(error, args)
+
+    def _fall_back(self, error: Exception, args: tuple):
+        self.failed = True
+        reason = (str(error).strip().splitlines() or [""])[0]
+        logger.warning(
+            f"torch.compile of `{self.function.__name__}` failed, using the eager PyTorch version from now on "
+            f"(set `use_fused_situ=False` in the config to skip the attempt): {type(error).__name__}: {reason}"
+        )
+        return self.function(*args)
 
 
-fused_situ_and_mul = CompiledFunction(situ_and_mul)
-fused_situ_glu = CompiledFunction(situ_glu)
+class FusedSiTUGLU(torch.autograd.Function):
+    """SiTU-GLU whose forward and backward are each one compiled elementwise kernel.
+
+    Eager SiTU-GLU is a dozen memory-bound elementwise passes forward and backward; inductor turns each direction into
+    one loop over the elements (2-4x faster on CPU at expert sizes, see benchmarks/README.md). Both directions are
+    plain functions compiled without autograd, so a compiler failure in either is caught and falls back to the eager
+    reference (:func:`situ_and_mul`, :func:`situ_and_mul_backward`). ``gate`` is either the concatenated
+    ``[gate ‖ up]`` (``up=None``: the gradient is written in that layout, with no split/cat) or the gate alone.
+    """
+
+    glu = CompiledFunction(situ_glu)
+    glu_backward = CompiledFunction(situ_glu_backward)
+    and_mul = CompiledFunction(situ_and_mul)
+    and_mul_backward = CompiledFunction(situ_and_mul_backward)
+
+    @staticmethod
+    def forward(ctx, gate, up, beta, linear_beta):
+        ctx.save_for_backward(gate, up)
+        ctx.betas = beta, linear_beta
+        if up is None:
+            return FusedSiTUGLU.glu(gate, beta, linear_beta)
+        return FusedSiTUGLU.and_mul(gate, up, beta, linear_beta)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output):
+        gate, up = ctx.saved_tensors
+        if up is None:
+            return FusedSiTUGLU.glu_backward(gate, grad_output, *ctx.betas), None, None, None
+        return *FusedSiTUGLU.and_mul_backward(gate, up, grad_output, *ctx.betas), None, None
+
+    @staticmethod
+    def kernels() -> tuple[CompiledFunction, ...]:
+        return FusedSiTUGLU.glu, FusedSiTUGLU.glu_backward, FusedSiTUGLU.and_mul, FusedSiTUGLU.and_mul_backward
+
+
+def fused_situ_glu(gate_up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    return FusedSiTUGLU.apply(gate_up, None, beta, linear_beta)
+
+
+def fused_situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    return FusedSiTUGLU.apply(gate, up, beta, linear_beta)
 
 
 class KimiK3GLUActivation(nn.Module):
     """The gated activation shared by the dense MLP, the shared experts and the routed experts.
 
-    Training forwards whose activation has at least ``fused_min_elements`` elements use the fused SiTU-GLU
-    (``config.use_fused_situ``); anything smaller is not worth a compilation (decoding, tiny test models).
+    Training forwards whose activation has at least ``fused_min_elements`` elements use :class:`FusedSiTUGLU` while
+    ``config.use_fused_situ`` is set (read at every call, so it can be switched on a loaded model); anything smaller is
+    not worth a compilation (decoding, tiny test models).
     """
 
     fused_min_elements = 2**18
 
     def __init__(self, config: KimiK3Config):
         super().__init__()
-        self.hidden_act = config.hidden_act
+        self.config = config
         self.beta = config.activation_situ_beta if config.activation_situ_beta is not None else 1.0
         self.linear_beta = config.activation_situ_linear_beta
         self.act_fn = None if config.hidden_act == "situ" else ACT2FN[config.hidden_act]
-        self.use_fused = config.use_fused_situ
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.act_fn is not None:
@@ -173,7 +253,7 @@ class KimiK3GLUActivation(nn.Module):
 
     def _fuses(self, activation: torch.Tensor) -> bool:
         return (
-            self.use_fused
+            self.config.use_fused_situ
             and activation.requires_grad
             and torch.is_grad_enabled()
             and activation.numel() >= self.fused_min_elements
@@ -1010,7 +1090,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
                 f"and shape {tuple(input_ids.shape)}."
             )
         # Reading the values back waits for the device, so only CPU inputs are checked here (where the embedding's
-        # own error names no field); on accelerators the embedding's device-side assert reports them.
+        # own error names no field); on CUDA the embedding's device-side assert reports them, elsewhere nothing may.
         checkable = input_ids.device.type == "cpu" and input_ids.numel() and not torch.compiler.is_compiling()
         if checkable and (input_ids.min() < 0 or input_ids.max() >= self.config.vocab_size):
             raise ValueError(

@@ -133,8 +133,9 @@ def run(quick: bool = False, repeats: int | None = None) -> dict:
         "notes": [
             f"Newton–Schulz: {sum(s.shape[0] for s in stacks):,} blocks, {newton_schulz_flops(stacks) / 1e9:.0f} GFLOP "
             f"per step; bf16 block matmuls ran at {rate / 1e9:.0f} GFLOP/s here.",
-            "AdamW is memory-bound (a few passes over the parameters); Muon adds O(rows) FLOPs per parameter, so no "
-            "exact NS5 implementation can come below the floor row on this machine.",
+            "AdamW is memory-bound (a few passes over the parameters); Muon adds O(rows) FLOPs per parameter. The floor "
+            "row is what NS5's matmuls cost at the probed rate; only kernels PyTorch does not offer (batched symmetric "
+            "products for X·Xᵀ and A·A, about a third fewer FLOPs) or a faster matmul could go below it.",
             "Target: <= 1.5x AdamW.",
         ],
     }

@@ -181,7 +181,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         for (p, group, pattern), per_param in zip(jobs, stacks):
             blocks = [block for _, block in zip(per_param, orthogonal)]
             scales = {_match_rms_scale(block) for block in blocks}
-            if len(scales) == 1:  # one block shape: the scale goes into the fp32 add, no scaled bf16 copies
+            if len(scales) == 1:  # one scale for all blocks: it goes into the fp32 add, no scaled copies
                 scale = scales.pop()
             else:
                 blocks, scale = [block.to(p.dtype) * _match_rms_scale(block) for block in blocks], 1.0

@@ -19,6 +19,7 @@ from transformers.testing_utils import CaptureLogger
 import modeling_kimi_k3
 from modeling_kimi_k3 import (
     CompiledFunction,
+    FusedSiTUGLU,
     KimiK3DeltaAttention,
     KimiK3GLUActivation,
     KimiK3SparseMoeBlock,
@@ -26,6 +27,7 @@ from modeling_kimi_k3 import (
     fused_situ_glu,
     kda_sub_chunk_size,
     situ_and_mul,
+    situ_and_mul_backward,
 )
 from tests.conftest import tiny_config
 
@@ -80,12 +82,26 @@ def value_and_grad(function, gate_up: torch.Tensor, linear_beta: float | None, c
     return out, grad
 
 
+@pytest.mark.parametrize("linear_beta", [25.0, None])
+@pytest.mark.parametrize("concatenated", [True, False])
+def test_written_out_backward_equals_autograd_of_the_reference_fp64(linear_beta, concatenated):
+    """`situ_and_mul_backward` / `situ_glu_backward` (the fused path's gradient) ≡ autograd through `situ_and_mul`."""
+    gate_up = situ_inputs(53, 24, torch.float64)
+    grad_output = torch.randn(53, 24, dtype=torch.float64)
+    if concatenated:
+        written_out = modeling_kimi_k3.situ_glu_backward(gate_up, grad_output, 4.0, linear_beta)
+    else:
+        written_out = torch.cat(situ_and_mul_backward(*gate_up.chunk(2, -1), grad_output, 4.0, linear_beta), dim=-1)
+    (expected,) = torch.autograd.grad(modeling_kimi_k3.situ_glu(gate_up, 4.0, linear_beta), gate_up, grad_output)
+    torch.testing.assert_close(written_out, expected, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     ("dtype", "linear_beta", "concatenated", "tolerance"),
     [
         (torch.float64, 25.0, True, 1e-12),
-        (torch.float64, 25.0, False, 1e-12),
-        (torch.float32, None, True, 2e-6),
+        (torch.float32, None, False, 2e-6),
+        (torch.bfloat16, 25.0, True, 1e-2),
     ],
 )
 def test_fused_situ_equals_the_reference_forward_and_backward(dtype, linear_beta, concatenated, tolerance):
@@ -100,7 +116,7 @@ def test_fused_situ_equals_the_reference_forward_and_backward(dtype, linear_beta
         # Absolute error relative to the largest value: saturated tanh/sigmoid gradients round differently near 0.
         torch.testing.assert_close(out, expected_out, rtol=tolerance, atol=tolerance * expected_out.abs().max().item())
         torch.testing.assert_close(grad, expected_grad, rtol=tolerance, atol=tolerance * expected_grad.abs().max().item())
-    assert not fused.failed
+    assert not any(kernel.failed for kernel in FusedSiTUGLU.kernels())
 
 
 class Spy:
@@ -141,6 +157,7 @@ def test_moe_block_trains_through_the_fused_situ_and_matches_the_eager_block(mon
     hidden = torch.randn(2, 45, tiny_config().hidden_size)
     out, hidden_grad, grads = moe_block_outputs(True, hidden)
     assert concatenated.calls == 1 and separate.calls == 1
+    assert not any(kernel.failed for kernel in FusedSiTUGLU.kernels())
     expected_out, expected_hidden_grad, expected_grads = moe_block_outputs(False, hidden)
     assert concatenated.calls == 1 and separate.calls == 1
     torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
@@ -150,13 +167,16 @@ def test_moe_block_trains_through_the_fused_situ_and_matches_the_eager_block(mon
         torch.testing.assert_close(grads[name], expected_grads[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
-def test_fused_situ_is_not_compiled_for_inference_or_small_activations(monkeypatch):
+def test_fused_situ_is_not_used_for_inference_small_activations_or_when_switched_off(monkeypatch):
     spies = Spy(monkeypatch, "fused_situ_glu"), Spy(monkeypatch, "fused_situ_and_mul")
     block = tiny_moe_block()
     block(torch.randn(1, 9, tiny_config().hidden_size)).sum().backward()  # below fused_min_elements
     monkeypatch.setattr(KimiK3GLUActivation, "fused_min_elements", 1)
     with torch.no_grad():
         block(torch.randn(1, 9, tiny_config().hidden_size))
+    assert [spy.calls for spy in spies] == [0, 0]
+    block.experts.glu.config.use_fused_situ = False  # the config switch is read at call time
+    block(torch.randn(1, 9, tiny_config().hidden_size)).sum().backward()
     assert [spy.calls for spy in spies] == [0, 0]
 
 
@@ -177,24 +197,45 @@ def test_failed_compilation_falls_back_to_the_reference_with_one_warning(monkeyp
     assert torch.equal(first, expected) and torch.equal(second, expected) and torch.equal(first_grad, expected_grad)
 
 
+def test_a_backward_kernel_that_fails_to_compile_falls_back_too(monkeypatch):
+    """The forward kernel compiles, the backward's compilation fails: training still gets the reference gradient."""
+    gate_up = situ_inputs(16, 8, torch.float32)
+    fused_situ_glu(gate_up, 4.0, 25.0)  # forward kernel compiled with the working toolchain
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/nonexistent/c++",))
+
+    def backward_with_fresh_graph(gate_up, grad_output, beta, linear_beta):
+        return modeling_kimi_k3.situ_glu_backward(gate_up, grad_output, beta, linear_beta)
+
+    monkeypatch.setattr(FusedSiTUGLU, "glu_backward", CompiledFunction(backward_with_fresh_graph))
+    with CaptureLogger(modeling_kimi_k3.logger) as captured:
+        out, grad = value_and_grad(fused_situ_glu, gate_up, 25.0, concatenated=True)
+    expected_out, expected_grad = value_and_grad(modeling_kimi_k3.situ_glu, gate_up, 25.0, concatenated=True)
+    assert FusedSiTUGLU.glu_backward.failed and not FusedSiTUGLU.glu.failed
+    assert captured.out.count("torch.compile of `backward_with_fresh_graph` failed") == 1
+    torch.testing.assert_close(out, expected_out, rtol=2e-6, atol=2e-6 * expected_out.abs().max().item())
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-6, atol=1e-6 * expected_grad.abs().max().item())
+
+
 # ------------------------------------------------------------------------------------------------ host synchronisation
 class HostSyncRecorder(TorchDispatchMode):
-    """Records ops whose result the host must read back (on a GPU, a wait for the device): `.item()`/`bool()`/
-    `.tolist()` (``_local_scalar_dense``), outputs sized by the data (``nonzero``, ``masked_select``, ``bincount``,
-    ``unique``, ...) and boolean-mask indexing, each with the line that issued it. Ops issued inside transformers are
-    left out: its mask helpers check whether a padding mask is all ones, outside this project's code."""
+    """Records ops whose result the host must read back (on a GPU, a wait for the device): `.item()`, `bool()`,
+    `int()` (``_local_scalar_dense``), ``torch.equal``, outputs sized by the data (``nonzero``, ``masked_select``,
+    ``bincount``, ``unique``, ...) and boolean-mask indexing or assignment, each with the line that issued it. Ops
+    issued inside transformers are left out: its mask helpers check whether a padding mask is all ones, outside this
+    project's code. Device-to-host copies are invisible on a CPU-only machine."""
 
     DATA_DEPENDENT = {
-        aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten.bincount, aten._unique2,
+        aten._local_scalar_dense, aten.equal, aten.nonzero, aten.masked_select, aten.bincount, aten._unique2,
         aten.unique_consecutive, aten.unique_dim, aten.repeat_interleave,
     }
+    INDEXING = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
 
     def __init__(self):
         super().__init__()
         self.syncs = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        indices = args[1] if func.overloadpacket is aten.index else ()
+        indices = args[1] if func.overloadpacket in self.INDEXING else ()
         boolean_index = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
         if func.overloadpacket in self.DATA_DEPENDENT or boolean_index:
             caller = next(f for f in reversed(traceback.extract_stack()[:-1]) if f"{os.sep}torch{os.sep}" not in f.filename)
