@@ -18,12 +18,21 @@ from pathlib import Path
 BENCHMARK_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCHMARK_DIR.parent))  # run from a checkout without installing
 
-from benchmarks import bench_decode, bench_e2e, bench_kda, bench_moe, bench_optimizer, bench_router  # noqa: E402
+from benchmarks import (  # noqa: E402
+    bench_decode,
+    bench_e2e,
+    bench_kda,
+    bench_moe,
+    bench_optimizer,
+    bench_router,
+    bench_situ,
+)
 from benchmarks.common import bench_arguments, machine_description, render_markdown  # noqa: E402
 
 BENCHMARKS = {
     "kda": bench_kda,
     "moe": bench_moe,
+    "situ": bench_situ,
     "optimizer": bench_optimizer,
     "router": bench_router,
     "decode": bench_decode,

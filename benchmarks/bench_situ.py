@@ -1,0 +1,76 @@
+"""P1 detail: SiTU-GLU alone, at the routed experts' activation size of the K3 setting (4096 tokens x top-16 rows,
+expert intermediate 384, so [65,536, 768] for [gate ‖ up]).
+
+Candidates, timed interleaved, forward and forward+backward:
+- eager: `situ_glu`, a dozen elementwise passes each way (the reference);
+- fused: `fused_situ_glu`, what training uses (`FusedSiTUGLU`: compiled forward and written-out backward kernels);
+- autograd-compiled: `torch.compile(situ_glu)`, inductor deriving the backward itself. Faster backward, but its
+  compilation failures surface inside `loss.backward()`, where nothing can fall back, so the model does not use it;
+- SiLU·up: transformers' experts activation, the cost SiTU-GLU is compared with.
+
+Compilation happens in the warm-up round and is not timed.
+
+    python benchmarks/bench_situ.py [--quick]
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+# benchmarks.common first: it sets the OpenMP wait policy before torch is loaded.
+from benchmarks.common import bench_arguments, report, time_interleaved  # noqa: E402
+from benchmarks.bench_moe import INTERMEDIATE  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from modeling_kimi_k3 import fused_situ_glu, situ_glu  # noqa: E402
+
+BETA, LINEAR_BETA = 4.0, 25.0  # the release's activation_situ_beta / activation_situ_linear_beta
+
+
+def silu_and_mul(gate_up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def run(quick: bool = False, repeats: int | None = None) -> dict:
+    rows = (512 if quick else 4096) * 16
+    generator = torch.Generator().manual_seed(0)
+    gate_up = (torch.randn(rows, 2 * INTERMEDIATE, generator=generator) * 4).requires_grad_()
+    grad_output = torch.randn(rows, INTERMEDIATE, generator=generator)
+    candidates = {
+        "eager situ_glu": situ_glu,
+        "fused_situ_glu (model)": fused_situ_glu,
+        "torch.compile(situ_glu), autograd backward": torch.compile(situ_glu, dynamic=True),
+        "SiLU(gate)·up (transformers)": silu_and_mul,
+    }
+    timed = {}
+    for name, activation in candidates.items():
+        timed[f"{name}|fwd"] = lambda a=activation: a(gate_up.detach(), BETA, LINEAR_BETA)
+        timed[f"{name}|train"] = lambda a=activation: torch.autograd.grad(a(gate_up, BETA, LINEAR_BETA), gate_up,
+                                                                          grad_output)
+    seconds = time_interleaved(timed, repeats=repeats or 5, warmup=1)
+    eager = seconds["eager situ_glu|train"]
+    table = [
+        {
+            "candidate": name,
+            "fwd ms": 1e3 * seconds[f"{name}|fwd"],
+            "fwd+bwd ms": 1e3 * seconds[f"{name}|train"],
+            "fwd+bwd speedup vs eager": eager / seconds[f"{name}|train"],
+        }
+        for name in candidates
+    ]
+    return {
+        "title": f"SiTU-GLU on [{rows:,}, {2 * INTERMEDIATE}] (fp32, K3 experts' activation)",
+        "tables": [{"caption": "", "columns": list(table[0]), "rows": table}],
+        "notes": ["fwd: on an input without grad, as in inference; fwd+bwd: with the input gradient, as in training."],
+    }
+
+
+def main() -> None:
+    args = bench_arguments(__doc__)
+    report("situ", run(args.quick, args.repeats), args.json)
+
+
+if __name__ == "__main__":
+    main()
