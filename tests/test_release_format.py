@@ -12,9 +12,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from configuration_kimi_k3 import AUTO_MAP, KimiK3Config
-from kimi_k3.mxfp4 import quantize_mxfp4
-from kimi_k3.release_format import export_released, import_released, released_config_dict, released_tensor_shapes
-from modeling_kimi_k3 import KimiK3Experts, KimiK3ForCausalLM, checkpoint_shapes, dequantize_mxfp4
+from checkpoint_format_kimi_k3 import (
+    checkpoint_shapes,
+    dequantize_mxfp4,
+    quantize_mxfp4,
+    released_config_dict,
+    released_tensor_shapes,
+)
+from kimi_k3.release_format import export_released, import_released
+from modeling_kimi_k3 import KimiK3Experts, KimiK3ForCausalLM
 from scripts.convert_checkpoint import main as convert_main
 from tests.conftest import tiny_config
 
