@@ -16,6 +16,7 @@ released-layout folder loads with ``trust_remote_code`` alone. It imports only t
   (`match_checkpoint_tensors`), then reads through load-only transforms (`released_layout_transforms`).
 """
 
+import contextvars
 import re
 from collections import Counter
 from collections.abc import Callable
@@ -235,6 +236,13 @@ class DequantizeMXFP4(ConversionOps):
 RELEASE_TEXT_PREFIX = "language_model."
 RELEASE_MULTIMODAL_PREFIXES = ("vision_tower.", "mm_projector.")
 _MAX_REPORTED_PROBLEMS = 20
+# `from_pretrained(..., strict=False)` switches the checkpoint checks off for the duration of that call.
+STRICT_LOADING = contextvars.ContextVar("kimi_k3_strict_loading", default=True)
+# Stored dtypes of floating-point tensors (safetensors names); integer or boolean data where the model holds floats
+# would be cast silently.
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+# E8M0 scales from this byte on can decode to infinity in fp32/bf16: 6 · 2^(253 − 127) = 1.5 · 2^128; 255 is NaN.
+_FIRST_OVERFLOWING_SCALE = 253
 # The release's `quantization_config` (inside `text_config`): only routed experts are packed.
 RELEASED_QUANTIZATION_CONFIG = {
     "quant_method": "compressed-tensors",
@@ -356,12 +364,15 @@ def is_released_layout(names) -> bool:
     return any(name.startswith(RELEASE_TEXT_PREFIX) or name.endswith(".weight_packed") for name in names)
 
 
-def checkpoint_shapes(model) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of our checkpoint layout for ``model``: causal-LM names, per-expert w1/w3/w2."""
+def checkpoint_shapes(model, stored_names=()) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of our checkpoint layout for ``model``: causal-LM names, per-expert w1/w3/w2
+    (fused expert tensors that ``stored_names`` holds, as ``save_pretrained(save_original_format=False)`` writes them,
+    keep their fused name)."""
     prefix = f"{model.base_model_prefix}." if model.base_model is model else ""
     shapes = {}
     for name, tensor in model.state_dict().items():
-        shapes.update(per_expert_shapes(prefix + name, tuple(tensor.shape)))
+        name, shape = prefix + name, tuple(tensor.shape)
+        shapes.update({name: shape} if name in stored_names else per_expert_shapes(name, shape))
     if model.config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)  # stored once, as the embedding
     else:
@@ -375,7 +386,8 @@ def match_checkpoint_tensors(
     read_tensor: Callable[[str], torch.Tensor],
 ) -> dict[str, tuple[str, ...]]:
     """Match a checkpoint in either layout against ``expected`` (`checkpoint_shapes`); refuse it, naming every
-    offending tensor, unless each text tensor is present with its shape and nothing else is.
+    offending tensor, unless each text tensor is present with its shape and a floating-point dtype (MXFP4 pairs:
+    uint8, with scales that decode to finite values) and nothing else is.
 
     Returns, for each expected name, the stored tensors that hold it: itself, or (weight_packed, weight_scale).
     An expert counts as MXFP4 exactly when its `weight_packed` exists: the release's `quantization_config.ignore`
@@ -393,7 +405,7 @@ def match_checkpoint_tensors(
         key = prefix + name
         if ROUTED_EXPERT_WEIGHT.search(name) and f"{key}_packed" in entries:
             stored = (f"{key}_packed", f"{key}_scale")
-            problems += _mxfp4_problems(entries, stored, shape)
+            problems += _mxfp4_problems(entries, stored, shape, read_tensor)
         elif key in entries:
             stored = (key,)
             problems += _shape_problems(entries[key], key, shape, read_tensor)
@@ -404,16 +416,21 @@ def match_checkpoint_tensors(
         unclaimed.difference_update(stored)
     problems += [f"unexpected {name} {list(entries[name].shape)}" for name in sorted(unclaimed)]
     if problems:
-        listed = "\n  ".join(problems[:_MAX_REPORTED_PROBLEMS])
-        more = len(problems) - _MAX_REPORTED_PROBLEMS
-        raise ValueError(
-            f"Refusing the checkpoint: {len(problems)} text tensor(s) do not match the model.\n  "
-            f"{listed}" + (f"\n  ... and {more} more" if more > 0 else "")
-        )
+        raise ValueError(_refusal(problems))
     return sources
 
 
-def _mxfp4_problems(entries, stored: tuple[str, str], shape: tuple[int, ...]) -> list[str]:
+def _refusal(problems: list[str]) -> str:
+    listed = "; ".join(problems[:_MAX_REPORTED_PROBLEMS])
+    more = len(problems) - _MAX_REPORTED_PROBLEMS
+    return (
+        f"Refusing the checkpoint: {len(problems)} text tensor(s) do not match the model: {listed}"
+        + (f"; ... and {more} more" if more > 0 else "")
+        + " (from_pretrained(..., strict=False) loads it anyway, initialising what is missing)."
+    )
+
+
+def _mxfp4_problems(entries, stored: tuple[str, str], shape: tuple[int, ...], read_tensor) -> list[str]:
     rows, columns = shape
     wanted = dict(zip(stored, [(rows, columns // 2), (rows, columns // MXFP4_GROUP_SIZE)]))
     problems = []
@@ -423,10 +440,29 @@ def _mxfp4_problems(entries, stored: tuple[str, str], shape: tuple[int, ...]) ->
             problems.append(f"missing {name} {list(want)}")
         elif entry.shape != want or entry.dtype != "U8":
             problems.append(f"{name}: expected U8 {list(want)}, found {entry.dtype} {list(entry.shape)}")
-    return problems
+    return problems or _nonfinite_scale_problems(stored, read_tensor)
+
+
+def _nonfinite_scale_problems(stored: tuple[str, str], read_tensor) -> list[str]:
+    """E8M0 byte 255 is NaN, and a byte >= 253 times a large E2M1 code overflows fp32 and bf16."""
+    packed, scale = stored
+    scales = read_tensor(scale)
+    if int(scales.max()) < _FIRST_OVERFLOWING_SCALE:
+        return []
+    dense = dequantize_mxfp4(read_tensor(packed), scales, torch.float32)
+    bad_groups = ~torch.isfinite(dense.view(*scales.shape, MXFP4_GROUP_SIZE)).all(-1)
+    if not bad_groups.any():
+        return []
+    nan_scales = int((scales == 255).sum())
+    return [
+        f"{scale}: {int(bad_groups.sum())} group(s) decode to non-finite values (E8M0 scale byte 255 = NaN in "
+        f"{nan_scales} group(s), largest byte {int(scales.max())})"
+    ]
 
 
 def _shape_problems(entry: CheckpointEntry, key: str, shape: tuple[int, ...], read_tensor) -> list[str]:
+    if entry.dtype not in _FLOAT_DTYPES:
+        return [f"{key}: stored as {entry.dtype}, expected a floating-point dtype {list(_FLOAT_DTYPES)}"]
     if key.endswith("A_log") and len(entry.shape) == 1 and entry.shape[0] > shape[0]:
         tail = read_tensor(key)[shape[0] :]
         if tail.any():
@@ -438,22 +474,45 @@ def _shape_problems(entry: CheckpointEntry, key: str, shape: tuple[int, ...], re
     return [] if entry.shape == shape else [f"{key}: expected shape {list(shape)}, found {list(entry.shape)}"]
 
 
-def load_with_released_layout(load: Callable, model, state_dict, checkpoint_files, load_config, expected_keys):
-    """``PreTrainedModel._load_pretrained_model`` (``load``) that also reads a released-layout checkpoint.
+def verify_checkpoint_entries(model, entries: dict[str, CheckpointEntry]) -> None:
+    """Refuse a checkpoint (either layout) that does not hold exactly ``model``'s tensors, naming each offender."""
+    match_checkpoint_tensors(entries, checkpoint_shapes(model, entries), partial(read_checkpoint_tensor, entries))
 
-    transformers only warns about missing or unexpected tensors; a released checkpoint must match exactly, so
-    `match_checkpoint_tensors` names every offending tensor before any is read. Our own ``save_pretrained`` layout
-    takes the stock path unchanged.
+
+def verify_checkpoint_files(model, checkpoint_files: list[str]) -> None:
+    """`verify_checkpoint_entries` for safetensors shards on disk, e.g. a Trainer checkpoint about to be resumed."""
+    verify_checkpoint_entries(model, read_safetensors_headers(checkpoint_files))
+
+
+def load_checkpoint(load: Callable, model, state_dict, checkpoint_files, load_config, expected_keys):
+    """``PreTrainedModel._load_pretrained_model`` (``load``) after checking the checkpoint (either layout) against the
+    model; a released-layout checkpoint is read through the release transforms, ours through the stock path.
+
+    transformers only warns about missing or unexpected tensors; `match_checkpoint_tensors` names every offending
+    tensor before any is read, unless `STRICT_LOADING` is off.
     """
-    released = None
+    strict = STRICT_LOADING.get()
+    entries = None
     if state_dict is None and checkpoint_files and all(str(path).endswith(".safetensors") for path in checkpoint_files):
-        released = read_safetensors_headers(checkpoint_files)
-    if released is None or not is_released_layout(released):
-        return load(model, state_dict, checkpoint_files, load_config, expected_keys)
-    match_checkpoint_tensors(released, checkpoint_shapes(model), partial(read_checkpoint_tensor, released))
-    load_config = replace(
-        load_config, weight_mapping=[*released_layout_transforms(), *(load_config.weight_mapping or [])]
-    )
+        entries = read_safetensors_headers(checkpoint_files)
+    released = entries is not None and is_released_layout(entries)
+    if strict and entries is not None:
+        verify_checkpoint_entries(model, entries)
+    if released:
+        load_config = replace(
+            load_config, weight_mapping=[*released_layout_transforms(), *(load_config.weight_mapping or [])]
+        )
     loaded = load(model, state_dict, checkpoint_files, load_config, expected_keys)
-    model._weight_conversions = None  # the transforms are load-only: `save_pretrained` writes our layout again
+    if released:
+        model._weight_conversions = None  # the transforms are load-only: `save_pretrained` writes our layout again
+    if strict:
+        _refuse_incomplete_load(loaded[0])
     return loaded
+
+
+def _refuse_incomplete_load(loading_info) -> None:
+    """What the header check cannot see (an in-memory ``state_dict``, failed conversions) is refused after loading."""
+    problems = [f"missing {name}" for name in sorted(loading_info.missing_keys)]
+    problems += [f"{name}: {error.strip().splitlines()[-1]}" for name, error in loading_info.conversion_errors.items()]
+    if problems:
+        raise ValueError(_refusal(problems))

@@ -28,10 +28,20 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 try:
-    from .checkpoint_format_kimi_k3 import fuse_per_expert_weights, load_with_released_layout, register_expert_layout
+    from .checkpoint_format_kimi_k3 import (
+        STRICT_LOADING,
+        fuse_per_expert_weights,
+        load_checkpoint,
+        register_expert_layout,
+    )
     from .configuration_kimi_k3 import KimiK3Config
 except ImportError:
-    from checkpoint_format_kimi_k3 import fuse_per_expert_weights, load_with_released_layout, register_expert_layout
+    from checkpoint_format_kimi_k3 import (
+        STRICT_LOADING,
+        fuse_per_expert_weights,
+        load_checkpoint,
+        register_expert_layout,
+    )
     from configuration_kimi_k3 import KimiK3Config
 
 logger = logging.get_logger(__name__)
@@ -931,10 +941,25 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         "attentions": OutputRecorder(KimiK3MLAAttention, index=1),
     }
 
+    @classmethod
+    def from_pretrained(cls, *args, strict: bool = True, **kwargs):
+        """transformers' ``from_pretrained``, refusing a checkpoint that does not hold exactly the model's tensors.
+
+        Missing, unexpected or mis-shaped tensors, integer or boolean tensors where the model holds floats, and MXFP4
+        scales that decode to NaN or infinity are named in one ``ValueError`` before any tensor is read.
+        ``strict=False`` gives transformers' own lenient behaviour: missing tensors are initialised at random and
+        reported in a warning table, stored dtypes are cast.
+        """
+        token = STRICT_LOADING.set(strict)
+        try:
+            return super().from_pretrained(*args, **kwargs)
+        finally:
+            STRICT_LOADING.reset(token)
+
     @staticmethod
     def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys=None):
-        """Also reads the released checkpoint layout (``checkpoint_format_kimi_k3.load_with_released_layout``)."""
-        return load_with_released_layout(
+        """Checks the checkpoint, then reads our layout or the released one (``checkpoint_format_kimi_k3``)."""
+        return load_checkpoint(
             PreTrainedModel._load_pretrained_model, model, state_dict, checkpoint_files, load_config, expected_keys
         )
 
