@@ -30,6 +30,11 @@ from transformers.conversion_mapping import register_checkpoint_conversion_mappi
 from transformers.core_model_loading import Concatenate, ConversionOps, MergeModulelist, PrefixChange, WeightConverter
 from transformers.utils import logging
 
+try:
+    from .configuration_kimi_k3 import AUTO_MAP
+except ImportError:
+    from configuration_kimi_k3 import AUTO_MAP
+
 logger = logging.get_logger(__name__)
 
 
@@ -329,6 +334,8 @@ def released_config_dict(config) -> dict:
     return {
         "architectures": ["KimiK3ForConditionalGeneration"],
         "model_type": "kimi_k3",
+        # Our code, shipped beside the weights, reads this layout: the folder loads with trust_remote_code.
+        "auto_map": dict(AUTO_MAP),
         **{key: text_config[key] for key in shared if key in text_config},
         "text_config": text_config,
     }

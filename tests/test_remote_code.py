@@ -2,7 +2,6 @@
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -13,7 +12,6 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 import modeling_kimi_k3
-from configuration_kimi_k3 import AUTO_MAP
 from kimi_k3.release_format import export_released
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from tests.conftest import tiny_config
@@ -71,11 +69,7 @@ def released(tmp_path_factory):
     model = mxfp4_representable_(KimiK3ForCausalLM(tiny_config(**MXFP4_SHAPES))).eval()  # exported losslessly
     save_with_expected_outputs(model, root / "ours")
     folder = root / "model"
-    export_released(root / "ours", folder, progress=False)
-    for code in (root / "ours").glob("*.py"):
-        shutil.copy(code, folder / code.name)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "auto_map": AUTO_MAP}))
+    export_released(root / "ours", folder, progress=False)  # writes our code and auto_map beside the weights
     return folder
 
 
