@@ -17,6 +17,7 @@ parallelism the expert dim is first split evenly over ``ep`` ranks, then FSDP2 s
 Units: bytes, shown as GB = 1e9 bytes.
 """
 
+import contextlib
 import math
 from dataclasses import dataclass, field, replace
 
@@ -27,6 +28,8 @@ MXFP4_BITS_PER_ELEMENT = 4 + 8 / 32
 INT64_BYTES = 8
 FP32_BYTES = 4
 GB = 1e9
+NEWTON_SCHULZ_ROW = "Newton-Schulz all-gather (whole updates)"
+QUANTILE_BALANCING_ROW = "Quantile Balancing all-reduce"
 # Attention projections LoRA adapts by default (peft ``target_modules`` names, matched on the module's last name).
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_b_proj", "kv_b_proj")
 
@@ -236,9 +239,9 @@ class Setup:
         return self.micro_batch * self.sequence_length
 
 
-def validate(config, layout: Layout, setup: Setup) -> None:
+def validate(config, layout: Layout, setup: Setup, specs: list[ParamSpec] | None = None) -> None:
     """Refuse, in one line naming the field, what the sharding code or this plan cannot run. Runs before anything is
-    instantiated."""
+    instantiated; ``specs`` (from :func:`parameter_specs`) saves rebuilding them."""
     for name in ("world_size", "fsdp", "ep", "tp"):
         if getattr(layout, name) < 1:
             raise PlanError(f"`{name}` must be a positive integer, got {getattr(layout, name)}.")
@@ -256,7 +259,7 @@ def validate(config, layout: Layout, setup: Setup) -> None:
             raise PlanError(f"`ep` ({layout.ep}) must divide `fsdp` ({layout.fsdp}) (transformers' DistributedConfig).")
         if config.num_experts % layout.ep:
             raise PlanError(f"`ep` ({layout.ep}) must divide the {config.num_experts} experts (num_experts); "
-                            f"expert-parallel sizes that do: {divisors_up_to(config.num_experts, layout.fsdp)}.")
+                            f"sizes that divide both it and fsdp: {common_divisors(config.num_experts, layout.fsdp)}.")
     for name in ("param_dtype", "compute_dtype", "grad_dtype", "optimizer_dtype"):
         if getattr(setup, name) not in DTYPE_BYTES:
             raise PlanError(f"`{name}` must be one of {tuple(DTYPE_BYTES)}, got {getattr(setup, name)!r}.")
@@ -273,10 +276,25 @@ def validate(config, layout: Layout, setup: Setup) -> None:
     for name in ("micro_batch", "sequence_length", "gradient_accumulation"):
         if getattr(setup, name) < 1:
             raise PlanError(f"`{name}` must be a positive integer, got {getattr(setup, name)}.")
+    if setup.optimizer == "muon":
+        _require_muon_rows_per_rank(parameter_specs(config, setup.lora_rank) if specs is None else specs, layout, setup)
 
 
-def divisors_up_to(number: int, limit: int) -> list[int]:
-    return [d for d in range(1, min(number, limit) + 1) if number % d == 0]
+def _require_muon_rows_per_rank(specs: list[ParamSpec], layout: Layout, setup: Setup) -> None:
+    """PerHeadMuon adds the gathered update to the parameter's shard in place; DTensor cannot do that for a tensor
+    whose dim 0 has fewer rows than the ranks sharding it (no sharding strategy keeps such a placement)."""
+    muon = [s for s in updated_specs(specs) if optimizer_of(s, setup) == "muon"]
+    shortest = min(muon, key=lambda spec: spec.shape[0], default=None)
+    if shortest is not None and shortest.shape[0] < layout.fsdp:
+        raise PlanError(
+            f"`optimizer` 'muon' cannot run with fsdp {layout.fsdp}: `{shortest.name}` has {shortest.shape[0]} rows, "
+            f"fewer than the ranks FSDP2 shards it over, and DTensor refuses PerHeadMuon's in-place update of such a "
+            f"shard; use fsdp <= {shortest.shape[0]} or `optimizer` 'adamw'."
+        )
+
+
+def common_divisors(a: int, b: int) -> list[int]:
+    return [d for d in range(1, min(a, b) + 1) if a % d == 0 and b % d == 0]
 
 
 def local_rows(rows: int, group: int) -> int:
@@ -370,8 +388,8 @@ class Plan:
 
 def make_plan(config, layout: Layout, setup: Setup, specs: list[ParamSpec] | None = None) -> Plan:
     """The plan of one layout; ``specs`` (from :func:`parameter_specs`) saves rebuilding them in a search."""
-    validate(config, layout, setup)
     specs = parameter_specs(config, setup.lora_rank) if specs is None else specs
+    validate(config, layout, setup, specs)
     counts = element_counts(config, layout, setup, specs)
     plan = Plan(config, layout, setup, counts)
     b = {name: DTYPE_BYTES[getattr(setup, f"{name}_dtype")] for name in ("param", "compute", "grad", "optimizer")}
@@ -506,7 +524,7 @@ def communication(config, specs, layout: Layout, setup: Setup, b) -> list[tuple[
         rows.append(("expert all-to-all", layout.ep, calls, payload, payload * (layout.ep - 1) / layout.ep))
     if layout.world_size > 1 and moe_layers:
         qb = quantile_balancing_payload(config)
-        rows.append(("Quantile Balancing all-reduce", layout.world_size, 1, qb, 2 * qb * (layout.world_size - 1) / layout.world_size))
+        rows.append((QUANTILE_BALANCING_ROW, layout.world_size, 1, qb, 2 * qb * (layout.world_size - 1) / layout.world_size))
     mla_layers = sum(t == "full_attention" for t in config.layer_types)
     if layout.world_size > 1 and setup.qk_clip and mla_layers and setup.optimizer == "muon" and not setup.lora_rank:
         payload = mla_layers * config.num_attention_heads * FP32_BYTES
@@ -535,14 +553,24 @@ def quantile_balancing_payload(config) -> int:
 
 
 def newton_schulz_communication(specs, layout: Layout, setup: Setup, b) -> list[tuple]:
-    """PerHeadMuon gathers every sharded Muon update whole before Newton–Schulz: one all-gather per parameter over its
-    mesh (the fsdp ranks; for experts under expert parallelism, the efsdp x ep ranks, i.e. all of them)."""
+    """PerHeadMuon gathers every sharded Muon update whole before Newton–Schulz (``redistribute`` to Replicate): one
+    all-gather per dense parameter over the fsdp ranks; an expert tensor under expert parallelism is gathered first
+    over the efsdp ranks holding the same experts (when there are several), then over the ep ranks."""
     muon = [s for s in updated_specs(specs) if optimizer_of(s, setup) == "muon"]
     if layout.world_size == 1 or not muon:
         return []
-    payload = sum(local_numel(s, layout) for s in muon) * b["grad"]
-    sent = sum(local_numel(s, layout) * (layout.world_size - 1) for s in muon) * b["grad"]
-    return [("Newton-Schulz all-gather (whole updates)", layout.world_size, len(muon), payload, sent)]
+    calls, payload, sent = 0, 0, 0
+    for spec in muon:
+        shard = local_numel(spec, layout) * b["grad"]
+        if spec.expert and layout.ep > 1:
+            if layout.efsdp > 1:
+                calls, payload, sent = calls + 1, payload + shard, sent + shard * (layout.efsdp - 1)
+            gathered = shard * layout.efsdp
+            calls, payload, sent = calls + 1, payload + gathered, sent + gathered * (layout.ep - 1)
+        else:
+            calls, payload, sent = calls + 1, payload + shard, sent + shard * (layout.fsdp - 1)
+    return [(NEWTON_SCHULZ_ROW, layout.world_size, calls, payload, sent)]
+
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -552,21 +580,27 @@ def candidate_layouts(config, world_size: int, setup: Setup) -> list[Layout]:
     """Pure FSDP and every expert-parallel size the sharding code accepts at ``world_size`` (tp = 1)."""
     eps = [1]
     if config.num_experts is not None and not setup.lora_rank and "sparse" in config.mlp_layer_types:
-        eps += [ep for ep in divisors_up_to(config.num_experts, world_size) if ep > 1 and world_size % ep == 0]
+        eps += common_divisors(config.num_experts, world_size)[1:]
     return [Layout(world_size, world_size, ep) for ep in eps]
 
 
 def search(config, setup: Setup, max_world_size: int = 4096, step: int = 8) -> tuple[Plan | None, Plan]:
     """The smallest world size (a multiple of ``step``) with a layout that fits, and there the layout needing the
-    least memory; ``(None, least-memory plan at max_world_size)`` when none fits."""
+    least memory; ``(None, least-memory plan of the largest world size the sharding code accepts)`` when none fits."""
     if step < 1 or max_world_size < step:
         raise PlanError(f"`max_world_size` ({max_world_size}) must be >= the search step ({step}), both positive.")
     specs = parameter_specs(config, setup.lora_rank)
-    validate(config, Layout(step, step), setup)
     best = None
     for world_size in range(step, max_world_size + 1, step):
-        plans = [make_plan(config, layout, setup, specs) for layout in candidate_layouts(config, world_size, setup)]
+        plans = []
+        for layout in candidate_layouts(config, world_size, setup):
+            with contextlib.suppress(PlanError):
+                plans.append(make_plan(config, layout, setup, specs))
+        if not plans:
+            continue
         best = min(plans, key=lambda plan: plan.total)
         if best.fits:
             return best, best
+    if best is None:
+        raise PlanError(f"No layout up to {max_world_size} ranks is accepted by the sharding code for this setup.")
     return None, best

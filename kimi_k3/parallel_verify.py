@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kimi_k3.distributed import shard_decoder_layers, sharded_loading_config
 from kimi_k3.muon import PerHeadMuon
@@ -26,6 +27,47 @@ from modeling_kimi_k3 import KimiK3ForCausalLM
 SHARDING_PATHS = ("accelerate", "transformers")
 _STATE_FIELDS = {"momentum_buffer": "muon_momentum", "exp_avg": "adamw_exp_avg", "exp_avg_sq": "adamw_exp_avg_sq",
                  "step": "adamw_steps"}
+_COLLECTIVES = ("all_gather", "allgather", "all_reduce", "allreduce", "reduce_scatter", "all_to_all", "alltoall",
+                "broadcast")
+# c10d ops whose first argument is the output buffer: the input is the second.
+_INPUT_SECOND = ("c10d::_allgather_base_", "c10d::allgather_", "c10d::_reduce_scatter_base_", "c10d::reduce_scatter_",
+                 "c10d::alltoall_base_", "c10d::alltoall_")
+
+
+class CollectivePayload(TorchDispatchMode):
+    """Bytes of the tensors this rank hands to torch.distributed collectives, c10d and functional (DTensor's); a
+    functional collective's own c10d call is not counted again. Works under the fake process group too."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+        self._depth = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        namespace, _, op = name.partition("::")
+        if namespace not in ("c10d", "_c10d_functional") or not any(kind in op for kind in _COLLECTIVES):
+            return func(*args, **(kwargs or {}))
+        if self._depth == 0:
+            given = args[1] if name in _INPUT_SECOND else args[0]
+            self.calls.append((name, sum(t.numel() * t.element_size() for t in _tensors(given))))
+        self._depth += 1
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self._depth -= 1
+
+    @property
+    def payload(self) -> int:
+        return sum(size for _, size in self.calls)
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    else:
+        for item in value:
+            yield from _tensors(item)
 
 
 @contextlib.contextmanager
@@ -111,8 +153,9 @@ def local_numel(tensor) -> int:
     return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).numel()
 
 
-def sharded_counts(config, layout: Layout, setup: Setup, path: str | None = None) -> ElementCounts:
-    """What rank 0 holds after the real sharding and one optimizer step (elements)."""
+def sharded_counts(config, layout: Layout, setup: Setup, path: str | None = None) -> tuple[ElementCounts, CollectivePayload]:
+    """What rank 0 holds after the real sharding and one optimizer step (elements), and what that step handed to
+    collectives."""
     validate(config, layout, setup)
     path = path or default_sharding_path(layout)
     if path not in SHARDING_PATHS:
@@ -126,14 +169,20 @@ def sharded_counts(config, layout: Layout, setup: Setup, path: str | None = None
         for p in updated:
             p.grad = torch.zeros_like(p)
         optimizer = build_optimizer(model, setup)
-        optimizer.step()
-        state = dict.fromkeys(_STATE_FIELDS.values(), 0)
-        for per_param in optimizer.state.values():
-            for key, tensor in per_param.items():
-                state[_STATE_FIELDS[key]] += local_numel(tensor)
-        return ElementCounts(
-            parameters=sum(local_numel(p) for p in model.parameters()),
-            gradients=sum(local_numel(p.grad) for p in model.parameters() if p.grad is not None),
-            buffers=sum(local_numel(b) for b in model.buffers()),
-            **state,
-        )
+        with CollectivePayload() as sent:
+            optimizer.step()
+        return held_counts(model, optimizer), sent
+
+
+def held_counts(model, optimizer) -> ElementCounts:
+    """Elements this rank holds: its parameter and gradient shards, optimizer state and buffers."""
+    state = dict.fromkeys(_STATE_FIELDS.values(), 0)
+    for per_param in optimizer.state.values():
+        for key, tensor in per_param.items():
+            state[_STATE_FIELDS[key]] += local_numel(tensor)
+    return ElementCounts(
+        parameters=sum(local_numel(p) for p in model.parameters()),
+        gradients=sum(local_numel(p.grad) for p in model.parameters() if p.grad is not None),
+        buffers=sum(local_numel(b) for b in model.buffers()),
+        **state,
+    )

@@ -16,7 +16,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
-from kimi_k3.parallel_plan import DTYPE_BYTES, GB, OPTIMIZERS, Layout, PlanError, Setup, make_plan, search  # noqa: E402
+from kimi_k3.parallel_plan import (  # noqa: E402
+    DTYPE_BYTES,
+    GB,
+    NEWTON_SCHULZ_ROW,
+    OPTIMIZERS,
+    Layout,
+    PlanError,
+    Setup,
+    make_plan,
+    search,
+)
 
 OPTIMIZER_NAMES = {"muon": "Per-Head Muon", "adamw": "AdamW"}
 
@@ -64,7 +74,10 @@ def load_config(name: str) -> KimiK3Config:
     path = Path(name)
     if not path.exists():
         raise PlanError(f"`--config` must be 'k3', 'small' or an existing config.json / model folder, got {name!r}.")
-    return KimiK3Config.from_json_file(path / "config.json" if path.is_dir() else path)
+    try:
+        return KimiK3Config.from_json_file(path / "config.json" if path.is_dir() else path)
+    except (OSError, ValueError) as error:  # the config's own validation names the field
+        raise PlanError(f"`--config` {name}: {str(error).splitlines()[0]}") from error
 
 
 def setup_from(args) -> Setup:
@@ -77,7 +90,7 @@ def setup_from(args) -> Setup:
 
 def describe(plan) -> list[str]:
     config, layout, setup = plan.config, plan.layout, plan.setup
-    total = sum(s for s in [plan.counts.parameters])
+    total = plan.counts.parameters
     experts = ""
     if layout.ep > 1:
         experts = f", ep {layout.ep} ({config.num_experts // layout.ep} experts per ep rank, FSDP over {layout.efsdp})"
@@ -135,8 +148,12 @@ def verify(plan, sharding) -> bool:
     from kimi_k3.parallel_verify import default_sharding_path, sharded_counts
 
     path = sharding or default_sharding_path(plan.layout)
-    actual = sharded_counts(plan.config, plan.layout, plan.setup, path)
+    actual, sent = sharded_counts(plan.config, plan.layout, plan.setup, path)
     mismatches = plan.counts.differences(actual)
+    planned = next((row for row in plan.communication if row[0] == NEWTON_SCHULZ_ROW), (None, None, 0, 0, 0))
+    if (planned[2], planned[3]) != (len(sent.calls), sent.payload):
+        mismatches.append(f"optimizer-step collectives: plan {planned[2]} calls / {planned[3]:,} bytes vs "
+                          f"{len(sent.calls)} calls / {sent.payload:,} bytes handed in by rank 0")
     what = ("shard_decoder_layers (FSDP2 per decoder layer)" if path == "accelerate"
             else "transformers' load-time sharding (DistributedConfig, base_model_ep_plan)")
     if mismatches:
@@ -146,7 +163,8 @@ def verify(plan, sharding) -> bool:
         return False
     print(f"verified: parameters, gradients, optimizer state and buffers of rank 0 equal, element for element, what "
           f"{what} and {OPTIMIZER_NAMES[plan.setup.optimizer]} hold on the meta model under a fake process group of "
-          f"{plan.layout.world_size} ranks")
+          f"{plan.layout.world_size} ranks; the optimizer step's collectives match the plan's "
+          f"({len(sent.calls)} calls, {sent.payload:,} bytes)")
     return True
 
 
