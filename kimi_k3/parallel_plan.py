@@ -408,11 +408,14 @@ def make_plan(config, layout: Layout, setup: Setup, specs: list[ParamSpec] | Non
     plan.memory["activations"] = with_ckpt if setup.gradient_checkpointing else without_ckpt
     plan.activations_other = without_ckpt if setup.gradient_checkpointing else with_ckpt
     if setup.qat:
-        experts = sum(local_numel(s, layout) for s in specs if s.expert)
-        plan.memory["MXFP4 experts (QAT)"] = experts * MXFP4_BITS_PER_ELEMENT / 8
-        plan.notes.append("QAT: the local expert shard is also kept as MXFP4 (4 bits + one E8M0 byte per 32 "
-                          "elements = 4.25 bits/element) next to the higher-precision master weights.")
-    plan.estimated = {"FSDP gathered units", "Newton-Schulz workspace", "activations", "MXFP4 experts (QAT)"}
+        plan.memory["QAT fake-quantized experts"] = qat_fake_quantized_experts(config, specs, layout, setup, b)
+        exported = sum(local_numel(s, layout) for s in specs if s.expert) * MXFP4_BITS_PER_ELEMENT / 8
+        plan.notes.append(
+            f"QAT: each experts module's forward binds an MXFP4 fake-quantized copy of its gathered weights (compute "
+            f"dtype), kept for backward: one MoE layer's with gradient checkpointing, every layer's without. The "
+            f"exported MXFP4 shard of rank 0 (4.25 bits/element) would take {exported / GB:,.2f} GB."
+        )
+    plan.estimated = {"FSDP gathered units", "Newton-Schulz workspace", "activations", "QAT fake-quantized experts"}
     plan.communication = communication(config, specs, layout, setup, b)
     return plan
 
@@ -439,6 +442,15 @@ def fsdp_gather_buffers(specs, layout, b) -> float:
     largest_trainable = max(sum(local_numel(s, layout) for s in unit if s.trainable) * _unit_group(n, layout)
                             for n, unit in _units(specs, layout).items())
     return gathered + largest_trainable * b["grad"]
+
+
+def qat_fake_quantized_experts(config, specs, layout: Layout, setup: Setup, b) -> float:
+    """The fake-quantized expert weights QAT keeps between an experts module's forward and its backward."""
+    moe_layers = sum(t == "sparse" for t in config.mlp_layer_types)
+    experts = [s for s in specs if s.expert]
+    gathered = sum(local_numel(s, layout) * (layout.efsdp if layout.ep > 1 else layout.fsdp) for s in experts)
+    per_layer = gathered // max(moe_layers, 1)
+    return per_layer * (1 if setup.gradient_checkpointing else moe_layers) * b["compute"]
 
 
 def newton_schulz_workspace(specs, layout, setup, b) -> float:

@@ -12,6 +12,7 @@ holds is counted in elements.
 """
 
 import contextlib
+import copy
 
 import torch
 import torch.distributed as dist
@@ -88,9 +89,10 @@ def default_sharding_path(layout: Layout) -> str:
 
 
 def build_model(config, setup: Setup, device: str):
-    """``KimiK3ForCausalLM`` in training mode; with LoRA, peft's adapters on the attention projections."""
+    """``KimiK3ForCausalLM`` in training mode; with LoRA, peft's adapters on the attention projections. The model gets
+    its own copy of ``config``: load-time sharding records the distributed setup in the model's config."""
     with torch.device(device):
-        model = KimiK3ForCausalLM(config).train()
+        model = KimiK3ForCausalLM(copy.deepcopy(config)).train()
     if setup.lora_rank:
         from peft import LoraConfig, inject_adapter_in_model
 
