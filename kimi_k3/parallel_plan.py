@@ -28,6 +28,7 @@ MXFP4_BITS_PER_ELEMENT = 4 + 8 / 32
 INT64_BYTES = 8
 FP32_BYTES = 4
 GB = 1e9
+KDA_CHUNK_SIZE = 64
 NEWTON_SCHULZ_ROW = "Newton-Schulz all-gather (whole updates)"
 QUANTILE_BALANCING_ROW = "Quantile Balancing all-reduce"
 # Attention projections LoRA adapts by default (peft ``target_modules`` names, matched on the module's last name).
@@ -467,7 +468,7 @@ def newton_schulz_workspace(specs, layout, setup, b) -> float:
 
 
 def activations(config, setup: Setup, compute_bytes: int, checkpointing: bool) -> float:
-    """Saved activations of one micro-batch (estimate from the shapes, sdpa attention without an s x s matrix).
+    """Saved activations of one micro-batch (estimate from the shapes; a fused attention kernel, no s x s matrix).
 
     Without checkpointing every layer keeps its intermediate tensors; with per-layer checkpointing each layer keeps
     its input (and AttnRes keeps its block snapshots) and one layer's intermediates exist during its recomputation.
@@ -484,27 +485,29 @@ def activations(config, setup: Setup, compute_bytes: int, checkpointing: bool) -
 
 
 def _layer_activation_elements(config, i: int, n: int) -> int:
+    """Elements autograd saves in layer ``i`` for ``n`` tokens, counted per tensor kind from the model's forward
+    (fp32 router scores count twice). Attention is taken as a fused kernel (no heads x s x s probabilities)."""
     h = config.hidden_size
-    elements = 6 * n * h  # two norms' inputs, the residual, AttnRes mixing inputs and outputs
+    blocks = 1 if config.attn_res_block_size is None else i // config.attn_res_block_size + 1
+    per_token = 2 * h + 4 * (blocks + 1) * h  # the two norms' inputs, AttnRes's stacked blocks in its two mixings
     if config.layer_types[i] == "linear_attention":
         kda = config.linear_attn_config
-        proj = kda["num_heads"] * kda["head_dim"]
-        # q, k, v before and after the conv, gate, output gate, attention output, normed output; fp32 q/k/v/g copies.
-        elements += n * (10 * proj + kda["head_dim"] + kda["num_heads"]) + 2 * 4 * n * proj
+        heads, head_dim = kda["num_heads"], kda["head_dim"]
+        # q/k/v/gates before and after the convs, their fp32 chunked copies and the per-chunk [64, 64] matrices.
+        per_token += h + head_dim + 30 * heads * head_dim + 5 * heads * KDA_CHUNK_SIZE
     else:
         heads, v = config.num_attention_heads, config.v_head_dim
         qk = config.qk_nope_head_dim + config.qk_rope_head_dim
-        elements += n * ((config.q_lora_rank or 0) + heads * qk + config.kv_lora_rank + config.qk_rope_head_dim
-                         + heads * (config.qk_nope_head_dim + v) + 3 * heads * v)
+        per_token += (h + 3 * (config.q_lora_rank or 0) + 3 * (config.kv_lora_rank + config.qk_rope_head_dim)
+                      + 2 * heads * qk + heads * (config.qk_nope_head_dim + v) + 4 * heads * v)
     if config.mlp_layer_types[i] == "sparse":
         k, width = config.num_experts_per_token, config.routed_expert_hidden_size or h
         mi = config.moe_intermediate_size
-        elements += 2 * n * config.num_experts * 2  # fp32 router logits and scores
-        elements += n * (2 * width + h) + n * k * (2 * width + 3 * mi)  # latent in/out, per-route expert tensors
-        elements += n * 3 * mi * config.num_shared_experts
+        per_token += h + 2 * config.num_experts + 3 * width + k * (2 * width + 7 * mi)
+        per_token += 6 * mi * config.num_shared_experts
     else:
-        elements += n * 3 * config.intermediate_size
-    return elements
+        per_token += h + 6 * config.intermediate_size
+    return n * per_token
 
 
 def communication(config, specs, layout: Layout, setup: Setup, b) -> list[tuple[str, int, int, float, float]]:
