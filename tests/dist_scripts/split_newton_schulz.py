@@ -1,0 +1,83 @@
+"""Per-Head Muon steps on the same gradients in one process (the reference) and on every rank of a launched group.
+
+Launched as ``torchrun --nproc_per_node 2 tests/dist_scripts/split_newton_schulz.py WORK`` (repository root on
+PYTHONPATH): every rank runs :func:`main`, which steps a replicated (DDP layout) and an FSDP2-sharded copy of the
+model in ``WORK/config.json`` on gradients that are a function of the parameter name and the step alone, counting
+each rank's matmul FLOPs inside ``optimizer.step()``; rank 0 writes the final weights and the counts to
+``WORK/split.pt``. Only the optimizer runs: the gradients are what a backward would leave, minus its cost.
+"""
+
+import sys
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.flop_counter import FlopCounterMode
+
+from configuration_kimi_k3 import KimiK3Config
+from kimi_k3.distributed import full_state_dict, shard_decoder_layers
+from kimi_k3.muon import PerHeadMuon
+from modeling_kimi_k3 import KimiK3ForCausalLM
+
+STEPS = 3
+LEARNING_RATE = 1e-2
+
+
+def build_model(config: KimiK3Config) -> KimiK3ForCausalLM:
+    torch.manual_seed(0)
+    return KimiK3ForCausalLM(config)
+
+
+def set_gradients(model, step: int) -> None:
+    """Gradient of every parameter at ``step``: seeded by name and step, the same in every process."""
+    for name, param in model.named_parameters():
+        generator = torch.Generator().manual_seed(zlib.crc32(f"{name}/{step}".encode()))
+        grad = torch.randn(param.shape, generator=generator)
+        if isinstance(param, DTensor):
+            grad = distribute_tensor(grad, param.device_mesh, param.placements, src_data_rank=None)
+        param.grad = grad
+
+
+def run_steps(model, **optimizer_kwargs) -> dict:
+    """STEPS optimizer steps (momentum carries over); the matmul FLOPs of each step on this process."""
+    optimizer = PerHeadMuon.for_model(model, lr=LEARNING_RATE, **optimizer_kwargs)
+    flops = []
+    for step in range(STEPS):
+        set_gradients(model, step)
+        with FlopCounterMode(display=False) as counter:
+            optimizer.step()
+        flops.append(counter.get_total_flops())
+        optimizer.zero_grad()
+    return {"flops": flops, "optimizer": optimizer}
+
+
+def single_process(config: KimiK3Config) -> dict:
+    model = build_model(config)
+    result = run_steps(model)
+    return {"flops": result["flops"], "state": model.state_dict()}
+
+
+def distributed_layout(config: KimiK3Config, layout: str) -> dict:
+    model = build_model(config)
+    if layout == "fsdp2":
+        shard_decoder_layers(model)
+    result = run_steps(model)
+    flops = [None] * dist.get_world_size()
+    dist.all_gather_object(flops, result["flops"])
+    state = full_state_dict(model) if layout == "fsdp2" else model.state_dict()
+    return {"flops_per_rank": flops, "state": state}
+
+
+def main(work: Path) -> None:
+    dist.init_process_group("gloo")
+    config = KimiK3Config.from_json_file(work / "config.json")
+    results = {layout: distributed_layout(config, layout) for layout in ("ddp", "fsdp2")}
+    if dist.get_rank() == 0:
+        torch.save(results, work / "split.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
