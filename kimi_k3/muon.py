@@ -71,7 +71,7 @@ def zeropower_via_newton_schulz5(blocks, coefficients=NS_COEFFICIENTS, steps=NS_
 
 def row_pattern(group):
     """Rows of one block, repeated along the rows of every matrix of ``group`` (one entry per block of a head)."""
-    rows = group["head_rows"] if group["head_rows"] is not None else group["expert_rows"]
+    rows = group["head_rows"] if group.get("head_rows") is not None else group.get("expert_rows")
     return (rows,) if isinstance(rows, int) else rows
 
 
@@ -148,9 +148,10 @@ def newton_schulz_exchange_bytes(shapes, patterns, world_size, sharded, itemsize
     return exchange_bytes(plan_exchange(shapes, patterns, world_size, sharded, NS_STEPS), itemsize)
 
 
-def muon_shapes_and_patterns(optimizer):
-    """Global shapes and block patterns of every Muon parameter of ``optimizer``, in step order."""
-    pairs = [(tuple(p.shape), row_pattern(group)) for group in optimizer.param_groups if group["use_muon"]
+def muon_shapes_and_patterns(param_groups):
+    """Global shapes and block patterns of every Muon parameter of ``param_groups`` (an optimizer's, or those of
+    :func:`build_param_groups`), in step order: the arguments of :func:`newton_schulz_exchange_bytes`."""
+    pairs = [(tuple(p.shape), row_pattern(group)) for group in param_groups if group.get("use_muon", True)
              for p in group["params"]]
     return [shape for shape, _ in pairs], [pattern for _, pattern in pairs]
 

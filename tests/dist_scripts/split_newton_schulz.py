@@ -3,13 +3,15 @@
 Launched as ``torchrun --nproc_per_node 2 tests/dist_scripts/split_newton_schulz.py WORK`` (repository root on
 PYTHONPATH): every rank runs :func:`main`, which steps a replicated (DDP layout) and an FSDP2-sharded copy of the
 model in ``WORK/config.json`` on gradients that are a function of the parameter name and the step alone, counting
-each rank's matmul FLOPs inside ``optimizer.step()``; rank 0 writes the final weights and the counts to
-``WORK/split.pt``. Only the optimizer runs: the gradients are what a backward would leave, minus its cost.
+each rank's matmul FLOPs and the bytes it exchanges with the other ranks inside ``optimizer.step()``; rank 0 writes
+the final weights and the counts to ``WORK/split.pt``. Only the optimizer runs: the gradients are what a backward would leave, minus its cost.
 """
 
+import contextlib
 import sys
 import zlib
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -40,17 +42,41 @@ def set_gradients(model, step: int) -> None:
         param.grad = grad
 
 
-def run_steps(model, **optimizer_kwargs) -> dict:
-    """STEPS optimizer steps (momentum carries over); the matmul FLOPs of each step on this process."""
-    optimizer = PerHeadMuon.for_model(model, lr=LEARNING_RATE, **optimizer_kwargs)
-    flops = []
+@contextlib.contextmanager
+def counted_traffic(traffic: list[int]):
+    """Adds to ``traffic`` [sent, received] the bytes this rank exchanges with other ranks through all-to-all and
+    all-gather (ring all-gather: each rank sends and receives every other rank's share once)."""
+    all_to_all_single, all_gather = dist.all_to_all_single, dist.all_gather
+
+    def counting_all_to_all(output, input, output_split_sizes, input_split_sizes, group=None):
+        rank = dist.get_rank(group)
+        traffic[0] += (sum(input_split_sizes) - input_split_sizes[rank]) * input.element_size()
+        traffic[1] += (sum(output_split_sizes) - output_split_sizes[rank]) * output.element_size()
+        return all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group)
+
+    def counting_all_gather(tensor_list, tensor, group=None):
+        others = (len(tensor_list) - 1) * tensor.numel() * tensor.element_size()
+        traffic[0] += others
+        traffic[1] += others
+        return all_gather(tensor_list, tensor, group=group)
+
+    with mock.patch.object(dist, "all_to_all_single", counting_all_to_all), \
+            mock.patch.object(dist, "all_gather", counting_all_gather):
+        yield
+
+
+def run_steps(model) -> dict:
+    """STEPS optimizer steps (momentum carries over): per step, the matmul FLOPs and the traffic of this process."""
+    optimizer = PerHeadMuon.for_model(model, lr=LEARNING_RATE)
+    flops, traffic = [], []
     for step in range(STEPS):
         set_gradients(model, step)
-        with FlopCounterMode(display=False) as counter:
+        traffic.append([0, 0])
+        with FlopCounterMode(display=False) as counter, counted_traffic(traffic[-1]):
             optimizer.step()
         flops.append(counter.get_total_flops())
         optimizer.zero_grad()
-    return {"flops": flops, "optimizer": optimizer}
+    return {"flops": flops, "traffic": [tuple(pair) for pair in traffic], "ns_itemsize": optimizer.ns_dtype.itemsize}
 
 
 def single_process(config: KimiK3Config) -> dict:
@@ -64,16 +90,18 @@ def distributed_layout(config: KimiK3Config, layout: str) -> dict:
     if layout == "fsdp2":
         shard_decoder_layers(model)
     result = run_steps(model)
-    flops = [None] * dist.get_world_size()
+    flops, traffic = [None] * dist.get_world_size(), [None] * dist.get_world_size()
     dist.all_gather_object(flops, result["flops"])
+    dist.all_gather_object(traffic, result["traffic"])
     state = full_state_dict(model) if layout == "fsdp2" else model.state_dict()
-    return {"flops_per_rank": flops, "state": state}
+    return {"flops_per_rank": flops, "bytes_per_rank": traffic, "state": state, "ns_itemsize": result["ns_itemsize"]}
 
 
 def main(work: Path) -> None:
     dist.init_process_group("gloo")
     config = KimiK3Config.from_json_file(work / "config.json")
     results = {layout: distributed_layout(config, layout) for layout in ("ddp", "fsdp2")}
+    results["ns_itemsize"] = results["ddp"]["ns_itemsize"]
     if dist.get_rank() == 0:
         torch.save(results, work / "split.pt")
     dist.destroy_process_group()
