@@ -271,11 +271,11 @@ def _gather_owned_rows(plan, rank, local, ns_dtype, device, group):
     for index in plan.owned(rank):
         block = plan.blocks[index]
         blocks[index] = torch.empty(block.rows, block.cols, dtype=ns_dtype, device=device)
-    for index, first, stop in plan.pieces(rank, rank):
-        blocks[index][first - plan.blocks[index].start:stop - plan.blocks[index].start] = held_rows((index, first, stop))
-    for pieces, tensors in zip(expected, received):
+    own = plan.pieces(rank, rank)
+    for pieces, tensors in [(own, [held_rows(piece) for piece in own]), *zip(expected, received)]:
         for (index, first, stop), rows in zip(pieces, tensors):
-            blocks[index][first - plan.blocks[index].start:stop - plan.blocks[index].start] = rows
+            start = plan.blocks[index].start
+            blocks[index][first - start:stop - start] = rows
     return blocks
 
 
@@ -353,11 +353,13 @@ def _assemble(plan, rank, rows, updates, local, dtypes, scale_of):
     by_param = [[] for _ in updates]
     for (index, first, stop), values in rows.items():
         by_param[plan.blocks[index].param].append((index, first, stop, values))
+    scales = [set() for _ in updates]  # over all of a parameter's blocks, held here or not: the same rule everywhere
+    for block in plan.blocks:
+        scales[block.param].add(scale_of(block.rows, block.cols))
     results = []
     for param, (update, flat) in enumerate(zip(updates, local)):
         pieces = sorted(by_param[param], key=lambda piece: piece[1])
-        scales = {scale_of(plan.blocks[index].rows, plan.blocks[index].cols) for index, *_ in pieces}
-        single = len(scales) <= 1
+        single = len(scales[param]) == 1
         dtype = pieces[0][3].dtype if single and pieces else dtypes[param]
         merged = torch.empty(flat.shape, dtype=dtype, device=flat.device)
         lo = plan.row_ranges[param][rank][0] if plan.row_ranges is not None else 0
@@ -368,5 +370,5 @@ def _assemble(plan, rank, rows, updates, local, dtypes, scale_of):
         if isinstance(update, DTensor):
             merged = DTensor.from_local(merged, update.device_mesh, update.placements, run_check=False,
                                         shape=update.shape, stride=update.stride())
-        results.append((merged, scales.pop() if single and scales else 1.0))
+        results.append((merged, next(iter(scales[param])) if single else 1.0))
     return results

@@ -1,8 +1,8 @@
 """Newton–Schulz split across ranks: the block plan in this process, and 2 gloo processes against one.
 
-The launched run (``tests/dist_scripts/split_newton_schulz.py``) steps the default ``KimiK3Config()`` model, replicated
-as under DDP and FSDP2-sharded, on gradients that depend only on the parameter name and step; the test repeats the
-steps in this process with the same gradients."""
+The launched run (``tests/dist_scripts/split_newton_schulz.py``) steps the default ``KimiK3Config()`` model (and a tiny
+one with mixed block shapes), replicated as under DDP and FSDP2-sharded, on gradients that depend only on the parameter
+name and step; the test repeats the steps in this process with the same gradients."""
 
 import os
 import signal
@@ -24,6 +24,7 @@ from kimi_k3.split_newton_schulz import (
     row_blocks,
 )
 from modeling_kimi_k3 import KimiK3ForCausalLM
+from tests.conftest import tiny_config
 from tests.dist_scripts import split_newton_schulz as scenario
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,10 +93,17 @@ def test_exchange_bytes_of_replicated_and_row_sharded_parameters():
 # ---------------------------------------------------------------------------------------------------------------------
 # 2 processes against one
 # ---------------------------------------------------------------------------------------------------------------------
+def configs() -> dict[str, KimiK3Config]:
+    """The default model, and a tiny one whose kv_b_proj has K and V blocks of different shapes (two RMS scales in
+    one parameter) and whose 3 MLA heads put a shard boundary inside a head."""
+    return {"default": KimiK3Config(), "mixed_blocks": tiny_config(num_attention_heads=3, v_head_dim=4)}
+
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     work = tmp_path_factory.mktemp("split_newton_schulz")
-    KimiK3Config().to_json_file(work / "config.json")
+    for name, config in configs().items():
+        config.to_json_file(work / f"{name}.json")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD_SIZE),
                str(Path(scenario.__file__)), str(work)]
     pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
@@ -115,18 +123,19 @@ def launched(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def single_process():
-    return scenario.single_process(KimiK3Config())
+    return {name: scenario.single_process(config) for name, config in configs().items()}
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("config", ["default", "mixed_blocks"])
 def test_split_newton_schulz_is_bitwise_the_single_process_update_over_steps_with_momentum(
-    layout, launched, single_process
+    config, layout, launched, single_process
 ):
-    result = launched[layout]
-    assert result["state"].keys() == single_process["state"].keys()
-    for name, expected in single_process["state"].items():
+    result, expected_state = launched[config][layout], single_process[config]["state"]
+    assert result["state"].keys() == expected_state.keys()
+    for name, expected in expected_state.items():
         assert torch.equal(result["state"][name], expected), name
 
 
@@ -135,8 +144,8 @@ def test_split_newton_schulz_is_bitwise_the_single_process_update_over_steps_wit
 @pytest.mark.parametrize("layout", ["ddp", "fsdp2"])
 def test_each_rank_does_half_the_newton_schulz_flops(layout, launched, single_process):
     """Counted by torch's FlopCounterMode around every optimizer step, on each rank and in the single process."""
-    per_rank = torch.tensor(launched[layout]["flops_per_rank"], dtype=torch.float64)  # [ranks, steps]
-    total = torch.tensor(single_process["flops"], dtype=torch.float64)
+    per_rank = torch.tensor(launched["default"][layout]["flops_per_rank"], dtype=torch.float64)  # [ranks, steps]
+    total = torch.tensor(single_process["default"]["flops"], dtype=torch.float64)
     assert total.min() > 100e9  # the default model's 117 GFLOP of Newton–Schulz
     assert torch.all((per_rank / (total / WORLD_SIZE) - 1).abs() < 0.10)
     torch.testing.assert_close(per_rank.sum(0), total, rtol=1e-3, atol=0)
@@ -147,6 +156,7 @@ def test_each_rank_does_half_the_newton_schulz_flops(layout, launched, single_pr
 @pytest.mark.parametrize("layout", ["ddp", "fsdp2"])
 def test_measured_traffic_is_the_exchange_bytes_formula(layout, launched):
     shapes, patterns = default_model_muon_shapes()
+    result = launched["default"][layout]
     expected = newton_schulz_exchange_bytes(shapes, patterns, WORLD_SIZE, sharded=layout == "fsdp2",
-                                            itemsize=launched["ns_itemsize"])
-    assert launched[layout]["bytes_per_rank"] == [[traffic] * scenario.STEPS for traffic in expected]
+                                            itemsize=result["ns_itemsize"])
+    assert result["bytes_per_rank"] == [[traffic] * scenario.STEPS for traffic in expected]

@@ -2,9 +2,10 @@
 
 Launched as ``torchrun --nproc_per_node 2 tests/dist_scripts/split_newton_schulz.py WORK`` (repository root on
 PYTHONPATH): every rank runs :func:`main`, which steps a replicated (DDP layout) and an FSDP2-sharded copy of the
-model in ``WORK/config.json`` on gradients that are a function of the parameter name and the step alone, counting
+model of every ``WORK/<name>.json`` configuration on gradients that are a function of the parameter name and the step alone, counting
 each rank's matmul FLOPs and the bytes it exchanges with the other ranks inside ``optimizer.step()``; rank 0 writes
-the final weights and the counts to ``WORK/split.pt``. Only the optimizer runs: the gradients are what a backward would leave, minus its cost.
+the final weights and the counts to ``WORK/split.pt``. Only the optimizer runs: the gradients stand in for what a
+backward would leave, without its cost.
 """
 
 import contextlib
@@ -99,9 +100,10 @@ def distributed_layout(config: KimiK3Config, layout: str) -> dict:
 
 def main(work: Path) -> None:
     dist.init_process_group("gloo")
-    config = KimiK3Config.from_json_file(work / "config.json")
-    results = {layout: distributed_layout(config, layout) for layout in ("ddp", "fsdp2")}
-    results["ns_itemsize"] = results["ddp"]["ns_itemsize"]
+    results = {}
+    for path in sorted(work.glob("*.json")):
+        config = KimiK3Config.from_json_file(path)
+        results[path.stem] = {layout: distributed_layout(config, layout) for layout in ("ddp", "fsdp2")}
     if dist.get_rank() == 0:
         torch.save(results, work / "split.pt")
     dist.destroy_process_group()
