@@ -161,6 +161,25 @@ def test_training_lowers_loss_and_reports_eval_perplexity(trained):
     assert sorted(path.name for path in run.iterdir()) == ["checkpoint-4", "checkpoint-8", "model"]
 
 
+def test_default_run_clips_attention_logits_at_100_and_logs_the_statistics(trained):
+    run, _, _, history = trained
+    logged = [entry for entry in history if "loss" in entry]
+    assert all({"qk_clip/clipped_heads", "qk_clip/max_logit", "qk_clip/max_logit_after"} <= entry.keys()
+               for entry in logged)
+    # The toy model's logits stay far below K2's tau = 100: recorded every step, nothing clipped.
+    assert all(entry["qk_clip/clipped_heads"] == 0 for entry in logged)
+    assert all(0 < entry["qk_clip/max_logit"] == entry["qk_clip/max_logit_after"] < 100 for entry in logged)
+    assert json.loads((run / "model" / "config.json").read_text())["record_attn_logit_max"] is True
+
+
+def test_qk_clip_tau_none_turns_recording_and_clipping_off(trained, tmp_path):
+    extra = ["--qk_clip_tau", "none", "--max_steps", "2", "--save_steps", "2", "--eval_steps", "2"]
+    assert run_main(tiny_args(tmp_path / "run", trained[1], *extra))[0] == 0
+    state = json.loads((tmp_path / "run" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert not any("qk_clip/max_logit" in entry for entry in state["log_history"])
+    assert json.loads((tmp_path / "run" / "model" / "config.json").read_text())["record_attn_logit_max"] is False
+
+
 def test_saved_folder_generates_in_fresh_process_through_auto_classes(trained, tmp_path):
     model_dir = trained[0] / "model"
     assert {"configuration_kimi_k3.py", "modeling_kimi_k3.py", "tokenizer.json", "README.md"} <= {
@@ -444,6 +463,7 @@ def bigger_tokenizer(folder: Path) -> str:
     return str(folder)
 
 
+ALL_KDA = {**TINY_MODEL["linear_attn_config"], "kda_layers": list(range(1, 10)), "full_attn_layers": []}
 BAD_INPUTS = {
     "missing data file": (lambda run, tmp: ["--data_files", str(tmp / "nope.txt")], "no such file"),
     "empty corpus": (lambda run, tmp: ["--data_files", str(write_blank(tmp))], "corpus is empty"),
@@ -454,6 +474,12 @@ BAD_INPUTS = {
     "hub id without a token": (lambda run, tmp: ["--hub_model_id", "someone/kimi-k3-tiny"], "needs a token"),
     "resume without a checkpoint": (lambda run, tmp: ["--resume_from_checkpoint", "True"], "no checkpoint-N folder"),
     "bad config override": (lambda run, tmp: ["--config_overrides", '{"hidden_act": "tanh"}'], "`hidden_act` must be"),
+    "negative qk_clip_tau": (lambda run, tmp: ["--qk_clip_tau", "-1"], "--qk_clip_tau must be a number > 0"),
+    "NaN qk_clip_tau": (lambda run, tmp: ["--qk_clip_tau", "nan"], "--qk_clip_tau must be a number > 0"),
+    "QK-Clip without MLA layers": (
+        lambda run, tmp: ["--config_overrides", json.dumps({**TINY_MODEL, "linear_attn_config": ALL_KDA})],
+        "the model has no MLA (full_attention) layer; pass --qk_clip_tau none",
+    ),
     "0-byte text file": (lambda run, tmp: ["--data_files", str(write_bytes(tmp, "empty.txt", b""))], "empty.txt is empty (0 bytes)"),
     "binary text file": (
         lambda run, tmp: ["--data_files", str(write_bytes(tmp, "bin.txt", b"ELF\x00\x01 header"))],
