@@ -20,6 +20,8 @@ ROUTER_SCORE_FUNCTIONS = ("sigmoid", "softmax")
 ROUTER_BALANCING_MODES = ("quantile_balancing", "none")
 QB_ESTIMATORS = ("histogram", "exact")
 SUPPORTED_ACTIVATIONS = ("situ", "silu", "gelu", "relu")
+# Training switches that older config.json files carry; they are not properties of the model, so they are dropped.
+RETIRED_TRAINING_SWITCHES = ("use_fused_situ",)
 # Saved folders load through every Auto class with `trust_remote_code` (transformers only writes the saved class).
 AUTO_MAP = {
     "AutoConfig": "configuration_kimi_k3.KimiK3Config",
@@ -65,12 +67,6 @@ class KimiK3Config(PreTrainedConfig):
     qb_estimator (`str`, defaults to `"histogram"`): `"histogram"` or `"exact"` (keeps every required bias).
     record_attn_logit_max (`bool`, defaults to `False`): MLA layers record their per-head maximum pre-softmax logit
         during training forwards, for QK-Clip (training.md §2.5).
-
-    One runtime switch picks a kernel and changes no result beyond rounding, like `use_cache`:
-
-    use_fused_situ (`bool`, defaults to `True`): training forwards with large activations compute SiTU-GLU and its
-        backward as single kernels compiled by `torch.compile` (once per process, dynamic shapes); `False`, small
-        activations, inference and a failed compilation use the eager PyTorch reference `situ_and_mul`.
     """
 
     model_type = "kimi_k3"
@@ -148,7 +144,6 @@ class KimiK3Config(PreTrainedConfig):
     qb_num_bins: int = 1000
     qb_estimator: str = "histogram"
     record_attn_logit_max: bool = False
-    use_fused_situ: bool = True
 
     # Canonical transformers layer descriptions, derived from the released fields.
     layer_types: list[str] | None = None
@@ -162,6 +157,9 @@ class KimiK3Config(PreTrainedConfig):
             self.linear_attn_config = _small_linear_attn_config()
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
+        retired = sorted(key for key in RETIRED_TRAINING_SWITCHES if kwargs.pop(key, None) is not None)
+        if retired:
+            logger.info(f"Ignoring training switches that the training job owns now: {retired}")
         super().__post_init__(**kwargs)
         self.auto_map = dict(AUTO_MAP)
         self._validate()

@@ -13,7 +13,6 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
@@ -92,7 +91,6 @@ def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta:
     """SiTU-GLU: β₁·tanh(g/β₁)·σ(g) · β₂·tanh(u/β₂), in fp32 (training.md §3.1); |out| <= β₁β₂.
 
     ``linear_beta=None`` leaves the up branch uncapped, as the released code does when the field is missing.
-    This is the reference; :class:`FusedSiTUGLU` fuses it for training.
     """
     gate, up, dtype = upcast(gate), upcast(up), gate.dtype
     activated_gate = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
@@ -100,140 +98,14 @@ def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta:
     return (activated_gate * capped_up).to(dtype)
 
 
-def situ_and_mul_backward(
-    gate: torch.Tensor, up: torch.Tensor, grad_output: torch.Tensor, beta: float, linear_beta: float | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Input gradients of :func:`situ_and_mul`, written out so that the fused kernels need no autograd.
-
-    With t = tanh(g/β₁), σ = σ(g) and c = β₂·tanh(u/β₂): ∂/∂g = c·σ·((1 − t²) + β₁·t·(1 − σ)),
-    ∂/∂u = β₁·t·σ·(1 − tanh²(u/β₂)) (∂/∂u = β₁·t·σ when the up branch is uncapped).
-    """
-    dtypes = gate.dtype, up.dtype
-    gate, up, grad_output = upcast(gate), upcast(up), upcast(grad_output)
-    gate_tanh, gate_sigmoid = torch.tanh(gate / beta), torch.sigmoid(gate)
-    if linear_beta is None:
-        capped_up, capped_up_slope = up, 1.0
-    else:
-        up_tanh = torch.tanh(up / linear_beta)
-        capped_up, capped_up_slope = linear_beta * up_tanh, 1 - up_tanh * up_tanh
-    gate_slope = gate_sigmoid * ((1 - gate_tanh * gate_tanh) + beta * gate_tanh * (1 - gate_sigmoid))
-    grad_gate = grad_output * capped_up * gate_slope
-    grad_up = grad_output * beta * gate_tanh * gate_sigmoid * capped_up_slope
-    return grad_gate.to(dtypes[0]), grad_up.to(dtypes[1])
-
-
-def situ_glu(gate_up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
-    """SiTU-GLU of ``[gate ‖ up]`` concatenated on the last dim, gate first (the released experts' layout)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return situ_and_mul(gate, up, beta, linear_beta)
-
-
-def situ_glu_backward(
-    gate_up: torch.Tensor, grad_output: torch.Tensor, beta: float, linear_beta: float | None
-) -> torch.Tensor:
-    """Gradient of :func:`situ_glu` with respect to ``gate_up``, in the same concatenated layout."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return torch.cat(situ_and_mul_backward(gate, up, grad_output, beta, linear_beta), dim=-1)
-
-
-class CompiledFunction:
-    """``function`` compiled by ``torch.compile`` on first call, with dynamic shapes, shared by all its callers.
-
-    One instance per function keeps one compilation cache per process instead of one per layer. Inside an
-    already-compiled region the eager function is traced into the outer graph instead. If compilation fails (no C++
-    compiler for inductor's CPU code, no Triton on a GPU, a Python that dynamo does not support) the eager function
-    is used from then on, after one warning; the kernel's own runtime errors (e.g. out of memory) propagate.
-    """
-
-    def __init__(self, function: Callable):
-        self.function = function
-        self.compiled: Callable | None = None
-        self.failed = False
-
-    def __call__(self, *args):
-        if self.failed or torch.compiler.is_compiling():
-            return self.function(*args)
-        if self.compiled is None:
-            try:
-                self.compiled = torch.compile(self.function, dynamic=True)
-            except RuntimeError as error:
-                return self._fall_back(error, args)
-        try:
-            return self.compiled(*args)
-        except Exception as error:
-            from torch._dynamo.exc import TorchDynamoException  # loaded by the compiled call
-
-            if not isinstance(error, TorchDynamoException):
-                raise
-            return self._fall_back(error, args)
-
-    def _fall_back(self, error: Exception, args: tuple):
-        self.failed = True
-        reason = (str(error).strip().splitlines() or [""])[0]
-        logger.warning(
-            f"torch.compile of `{self.function.__name__}` failed, using the eager PyTorch version from now on "
-            f"(set `use_fused_situ=False` in the config to skip the attempt): {type(error).__name__}: {reason}"
-        )
-        return self.function(*args)
-
-
-class FusedSiTUGLU(torch.autograd.Function):
-    """SiTU-GLU whose forward and backward are each one compiled elementwise kernel.
-
-    Eager SiTU-GLU is a dozen memory-bound elementwise passes forward and backward; inductor turns each direction into
-    one loop over the elements (2-4x faster on CPU at expert sizes, see benchmarks/README.md). Both directions are
-    plain functions compiled without autograd, so a compiler failure in either is caught and falls back to the eager
-    reference (:func:`situ_and_mul`, :func:`situ_and_mul_backward`). ``gate`` is either the concatenated
-    ``[gate ‖ up]`` (``up=None``: the gradient is written in that layout, with no split/cat) or the gate alone.
-    """
-
-    glu = CompiledFunction(situ_glu)
-    glu_backward = CompiledFunction(situ_glu_backward)
-    and_mul = CompiledFunction(situ_and_mul)
-    and_mul_backward = CompiledFunction(situ_and_mul_backward)
-
-    @staticmethod
-    def forward(ctx, gate, up, beta, linear_beta):
-        ctx.save_for_backward(gate, up)
-        ctx.betas = beta, linear_beta
-        if up is None:
-            return FusedSiTUGLU.glu(gate, beta, linear_beta)
-        return FusedSiTUGLU.and_mul(gate, up, beta, linear_beta)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_output):
-        gate, up = ctx.saved_tensors
-        if up is None:
-            return FusedSiTUGLU.glu_backward(gate, grad_output, *ctx.betas), None, None, None
-        return *FusedSiTUGLU.and_mul_backward(gate, up, grad_output, *ctx.betas), None, None
-
-    @staticmethod
-    def kernels() -> tuple[CompiledFunction, ...]:
-        return FusedSiTUGLU.glu, FusedSiTUGLU.glu_backward, FusedSiTUGLU.and_mul, FusedSiTUGLU.and_mul_backward
-
-
-def fused_situ_glu(gate_up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
-    return FusedSiTUGLU.apply(gate_up, None, beta, linear_beta)
-
-
-def fused_situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
-    return FusedSiTUGLU.apply(gate, up, beta, linear_beta)
-
-
 class KimiK3GLUActivation(nn.Module):
     """The gated activation shared by the dense MLP, the shared experts and the routed experts.
 
-    Training forwards whose activation has at least ``fused_min_elements`` elements use :class:`FusedSiTUGLU` while
-    ``config.use_fused_situ`` is set (read at every call, so it can be switched on a loaded model); anything smaller is
-    not worth a compilation (decoding, tiny test models).
+    The body is the eager reference; ``kimi_k3.fused_situ.use_fused_situ`` swaps in compiled kernels for training.
     """
-
-    fused_min_elements = 2**18
 
     def __init__(self, config: KimiK3Config):
         super().__init__()
-        self.config = config
         self.beta = config.activation_situ_beta if config.activation_situ_beta is not None else 1.0
         self.linear_beta = config.activation_situ_linear_beta
         self.act_fn = None if config.hidden_act == "situ" else ACT2FN[config.hidden_act]
@@ -241,22 +113,7 @@ class KimiK3GLUActivation(nn.Module):
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.act_fn is not None:
             return self.act_fn(gate) * up
-        situ = fused_situ_and_mul if self._fuses(gate) else situ_and_mul
-        return situ(gate, up, self.beta, self.linear_beta)
-
-    def concatenated(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The activation of ``[gate ‖ up]``; fused, the backward writes the gradient of ``gate_up`` in one pass."""
-        if self.act_fn is None and self._fuses(gate_up):
-            return fused_situ_glu(gate_up, self.beta, self.linear_beta)
-        return self(*gate_up.chunk(2, dim=-1))
-
-    def _fuses(self, activation: torch.Tensor) -> bool:
-        return (
-            self.config.use_fused_situ
-            and activation.requires_grad
-            and torch.is_grad_enabled()
-            and activation.numel() >= self.fused_min_elements
-        )
+        return situ_and_mul(gate, up, self.beta, self.linear_beta)
 
 
 class KimiK3MLP(nn.Module):
@@ -800,7 +657,7 @@ class KimiK3Experts(nn.Module):
         self.glu = KimiK3GLUActivation(config)
 
     def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
-        return self.glu.concatenated(gate_up_out)
+        return self.glu(*gate_up_out.chunk(2, dim=-1))
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         """Also accept the released per-expert keys (``{e}.w1/w3/w2.weight``) in plain ``load_state_dict``.

@@ -26,6 +26,7 @@ import torch  # noqa: E402
 from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
 from transformers.utils import logging  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
+from kimi_k3.fused_situ import use_fused_situ  # noqa: E402
 from modeling_kimi_k3 import KimiK3ForCausalLM  # noqa: E402
 
 VARIANTS = {  # name -> (model family, bf16 autocast)
@@ -76,7 +77,10 @@ def kimi_linear_config(config: KimiK3Config) -> KimiLinearConfig:
 def build(family: str) -> torch.nn.Module:
     torch.manual_seed(0)
     config = KimiK3Config()
-    model = KimiK3ForCausalLM(config) if family == "k3" else KimiLinearForCausalLM(kimi_linear_config(config))
+    if family != "k3":
+        return KimiLinearForCausalLM(kimi_linear_config(config)).train()
+    model = KimiK3ForCausalLM(config)
+    use_fused_situ(model)  # as the training job does
     return model.train()
 
 

@@ -30,6 +30,7 @@ from torch import nn  # noqa: E402
 from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig  # noqa: E402
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeSparseMoeBlock  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
+from kimi_k3.fused_situ import use_fused_situ  # noqa: E402
 from modeling_kimi_k3 import (  # noqa: E402
     KimiK3Experts,
     KimiK3GLUActivation,
@@ -77,7 +78,8 @@ def qwen_config(setting: Setting) -> Qwen3MoeConfig:
 
 
 def initialise(module: nn.Module) -> nn.Module:
-    """Random weights (std 0.02, norms at 1): a random router spreads tokens over the experts as at init."""
+    """Random weights (std 0.02, norms at 1): a random router spreads tokens over the experts as at init; our
+    SiTU-GLU modules get the fused kernels, as in the training job."""
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for parameter in module.parameters():
@@ -85,6 +87,7 @@ def initialise(module: nn.Module) -> nn.Module:
                 parameter.normal_(0.0, 0.02, generator=generator)
             else:
                 parameter.fill_(1.0)
+    use_fused_situ(module)
     return module.train()
 
 

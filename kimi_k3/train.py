@@ -30,6 +30,7 @@ from . import hub, run_folder
 from .balance_metrics import load_balance_metrics
 from .data import DataError, load_corpus, tokenize_into_blocks
 from .distributed import load_full_state_dict
+from .fused_situ import use_fused_situ
 from .model_card import TrainingSummary, render_model_card
 from .muon import PerHeadMuonFactory
 from .qk_clip import QKClipCallback, check_tau
@@ -96,6 +97,11 @@ class ModelArguments:
     quantile_balancing: bool = field(
         default=True,
         metadata={"help": "Update the router bias with Quantile Balancing; --no_quantile_balancing only logs loads."},
+    )
+    fused_situ: bool = field(
+        default=True,
+        metadata={"help": "Compile SiTU-GLU and its backward into one kernel each (torch.compile, once per process); "
+                          "--no_fused_situ trains with the model's eager reference."},
     )
     qk_clip_tau: str = field(
         default=DEFAULT_QK_CLIP_TAU,
@@ -333,6 +339,8 @@ def build_model(model_args: ModelArguments, tokenizer, checkpoint: str | None,
         }
         model = KimiK3ForCausalLM(KimiK3Config(**{**token_ids, **overrides}))
     check_tokenizer_fits(tokenizer, model.config)
+    if model_args.fused_situ:
+        use_fused_situ(model)
     if qk_clip_tau is not None and not model.config.mla_layer_indices:
         raise UsageError(
             f"--qk_clip_tau {model_args.qk_clip_tau}: QK-Clip rescales MLA heads but the model has no MLA "

@@ -4,7 +4,8 @@ for the device in model code.
 Kernel-level equalities (sub-chunked `chunk_kda` ≡ `recurrent_kda` ≡ a naive loop) live in tests/test_kda.py; here the
 KDA layer is pinned end to end: its chunked prefill, with the gate lower bound it passes to the kernel, against
 token-by-token decoding through the cache, which runs the plain recurrence. The fused (compiled) SiTU-GLU is pinned
-to the eager `situ_and_mul`, alone and inside the MoE block, and falls back to it when compilation fails.
+(`kimi_k3.fused_situ`, attached from outside) to the model's eager `situ_and_mul`, alone and inside the MoE block, and
+falls back to it when compilation fails.
 """
 
 import os
@@ -17,18 +18,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.testing_utils import CaptureLogger
 
 import modeling_kimi_k3
-from modeling_kimi_k3 import (
+from kimi_k3 import fused_situ
+from kimi_k3.fused_situ import (
     CompiledFunction,
     FusedSiTUGLU,
-    KimiK3DeltaAttention,
-    KimiK3GLUActivation,
-    KimiK3SparseMoeBlock,
     fused_situ_and_mul,
     fused_situ_glu,
-    kda_sub_chunk_size,
-    situ_and_mul,
     situ_and_mul_backward,
+    situ_glu,
+    situ_glu_backward,
+    use_fused_situ,
 )
+from modeling_kimi_k3 import KimiK3DeltaAttention, KimiK3SparseMoeBlock, kda_sub_chunk_size, situ_and_mul
 from tests.conftest import tiny_config
 
 aten = torch.ops.aten
@@ -89,10 +90,10 @@ def test_written_out_backward_equals_autograd_of_the_reference_fp64(linear_beta,
     gate_up = situ_inputs(53, 24, torch.float64)
     grad_output = torch.randn(53, 24, dtype=torch.float64)
     if concatenated:
-        written_out = modeling_kimi_k3.situ_glu_backward(gate_up, grad_output, 4.0, linear_beta)
+        written_out = situ_glu_backward(gate_up, grad_output, 4.0, linear_beta)
     else:
         written_out = torch.cat(situ_and_mul_backward(*gate_up.chunk(2, -1), grad_output, 4.0, linear_beta), dim=-1)
-    (expected,) = torch.autograd.grad(modeling_kimi_k3.situ_glu(gate_up, 4.0, linear_beta), gate_up, grad_output)
+    (expected,) = torch.autograd.grad(situ_glu(gate_up, 4.0, linear_beta), gate_up, grad_output)
     torch.testing.assert_close(written_out, expected, rtol=1e-12, atol=1e-12)
 
 
@@ -107,7 +108,7 @@ def test_written_out_backward_equals_autograd_of_the_reference_fp64(linear_beta,
 def test_fused_situ_equals_the_reference_forward_and_backward(dtype, linear_beta, concatenated, tolerance):
     """Compiled SiTU-GLU ≡ eager `situ_and_mul`, values and input gradients, at two odd shapes (dynamic shapes)."""
     fused = fused_situ_glu if concatenated else fused_situ_and_mul
-    reference = modeling_kimi_k3.situ_glu if concatenated else situ_and_mul
+    reference = situ_glu if concatenated else situ_and_mul
     for rows, width in [(37, 24), (301, 40)]:
         gate_up = situ_inputs(rows, width, dtype)
         out, grad = value_and_grad(fused, gate_up, linear_beta, concatenated)
@@ -121,30 +122,32 @@ def test_fused_situ_equals_the_reference_forward_and_backward(dtype, linear_beta
 
 
 class Spy:
-    """Counts calls of a module-level function of modeling_kimi_k3 and delegates to it."""
+    """Counts calls of a module-level function of kimi_k3.fused_situ and delegates to it."""
 
     def __init__(self, monkeypatch, name: str):
-        self.function, self.calls = getattr(modeling_kimi_k3, name), 0
-        monkeypatch.setattr(modeling_kimi_k3, name, self)
+        self.function, self.calls = getattr(fused_situ, name), 0
+        monkeypatch.setattr(fused_situ, name, self)
 
     def __call__(self, *args):
         self.calls += 1
         return self.function(*args)
 
 
-def tiny_moe_block(**overrides) -> KimiK3SparseMoeBlock:
+def tiny_moe_block(fused: bool = False, min_elements: int = fused_situ.FUSED_MIN_ELEMENTS) -> KimiK3SparseMoeBlock:
     """A training-mode MoE block of the tiny config with N(0, 0.3) weights (a bare module's are uninitialised)."""
     torch.manual_seed(0)
-    config = tiny_config(**overrides)
+    config = tiny_config()
     config._experts_implementation = "grouped_mm"  # what a model sets up; a bare block would run the eager loop
     block = KimiK3SparseMoeBlock(config).train()
     for parameter in block.parameters():
         torch.nn.init.normal_(parameter, std=0.3)
+    if fused:
+        assert use_fused_situ(block, min_elements=min_elements) == 3  # routed experts (and their glu), shared experts
     return block
 
 
-def moe_block_outputs(use_fused_situ: bool, hidden: torch.Tensor):
-    block = tiny_moe_block(use_fused_situ=use_fused_situ)
+def moe_block_outputs(fused: bool, hidden: torch.Tensor):
+    block = tiny_moe_block(fused, min_elements=64)
     hidden = hidden.clone().requires_grad_()
     out = block(hidden)
     out.backward(torch.ones_like(out))
@@ -153,7 +156,6 @@ def moe_block_outputs(use_fused_situ: bool, hidden: torch.Tensor):
 
 def test_moe_block_trains_through_the_fused_situ_and_matches_the_eager_block(monkeypatch):
     """Routed experts (concatenated gate/up) and shared experts (separate) both take the fused kernel."""
-    monkeypatch.setattr(KimiK3GLUActivation, "fused_min_elements", 64)
     concatenated, separate = Spy(monkeypatch, "fused_situ_glu"), Spy(monkeypatch, "fused_situ_and_mul")
     hidden = torch.randn(2, 45, tiny_config().hidden_size)
     out, hidden_grad, grads = moe_block_outputs(True, hidden)
@@ -170,13 +172,13 @@ def test_moe_block_trains_through_the_fused_situ_and_matches_the_eager_block(mon
 
 def test_fused_situ_is_not_used_for_inference_small_activations_or_when_switched_off(monkeypatch):
     spies = Spy(monkeypatch, "fused_situ_glu"), Spy(monkeypatch, "fused_situ_and_mul")
-    block = tiny_moe_block()
-    block(torch.randn(1, 9, tiny_config().hidden_size)).sum().backward()  # below fused_min_elements
-    monkeypatch.setattr(KimiK3GLUActivation, "fused_min_elements", 1)
+    block = tiny_moe_block(fused=True)
+    block(torch.randn(1, 9, tiny_config().hidden_size)).sum().backward()  # below FUSED_MIN_ELEMENTS
+    use_fused_situ(block, min_elements=1)
     with torch.no_grad():
         block(torch.randn(1, 9, tiny_config().hidden_size))
     assert [spy.calls for spy in spies] == [0, 0]
-    block.experts.glu.config.use_fused_situ = False  # the config switch is read at call time
+    assert use_fused_situ(block, enabled=False) == 3  # back to the model's own reference
     block(torch.randn(1, 9, tiny_config().hidden_size)).sum().backward()
     assert [spy.calls for spy in spies] == [0, 0]
 
@@ -190,7 +192,7 @@ def test_failed_compilation_falls_back_to_the_reference_with_one_warning(monkeyp
 
     fused = CompiledFunction(situ_with_fresh_graph)
     gate_up = situ_inputs(16, 8, torch.float32)
-    with CaptureLogger(modeling_kimi_k3.logger) as captured:
+    with CaptureLogger(fused_situ.logger) as captured:
         first, first_grad = value_and_grad(fused, gate_up, 25.0, concatenated=False)
         second, _ = value_and_grad(fused, gate_up, 25.0, concatenated=False)
     expected, expected_grad = value_and_grad(situ_and_mul, gate_up, 25.0, concatenated=False)
@@ -205,12 +207,12 @@ def test_a_backward_kernel_that_fails_to_compile_falls_back_too(monkeypatch):
     monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/nonexistent/c++",))
 
     def backward_with_fresh_graph(gate_up, grad_output, beta, linear_beta):
-        return modeling_kimi_k3.situ_glu_backward(gate_up, grad_output, beta, linear_beta)
+        return situ_glu_backward(gate_up, grad_output, beta, linear_beta)
 
     monkeypatch.setattr(FusedSiTUGLU, "glu_backward", CompiledFunction(backward_with_fresh_graph))
-    with CaptureLogger(modeling_kimi_k3.logger) as captured:
+    with CaptureLogger(fused_situ.logger) as captured:
         out, grad = value_and_grad(fused_situ_glu, gate_up, 25.0, concatenated=True)
-    expected_out, expected_grad = value_and_grad(modeling_kimi_k3.situ_glu, gate_up, 25.0, concatenated=True)
+    expected_out, expected_grad = value_and_grad(situ_glu, gate_up, 25.0, concatenated=True)
     assert FusedSiTUGLU.glu_backward.failed and not FusedSiTUGLU.glu.failed
     assert captured.out.count("torch.compile of `backward_with_fresh_graph` failed") == 1
     torch.testing.assert_close(out, expected_out, rtol=2e-6, atol=2e-6 * expected_out.abs().max().item())

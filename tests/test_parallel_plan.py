@@ -35,7 +35,7 @@ LAUNCH_TIMEOUT_S = 400
 @pytest.fixture(scope="module")
 def config():
     """The default (small) config: 9 layers, 64 experts; KDA b_proj has 4 rows."""
-    return KimiK3Config(use_fused_situ=False)
+    return KimiK3Config()
 
 
 def plan_row(plan, name):

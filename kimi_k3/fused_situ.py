@@ -1,0 +1,184 @@
+"""Fused SiTU-GLU for training, attached to a Kimi K3 model from outside.
+
+The model computes SiTU-GLU with its eager reference (`modeling_kimi_k3.situ_and_mul`), so a folder loaded with
+``trust_remote_code`` alone trains, with the same results. Eager SiTU-GLU is a dozen memory-bound elementwise passes
+forward and backward; inductor turns each direction into one loop over the elements (2-4x faster on CPU at expert
+sizes, see benchmarks/README.md). `use_fused_situ(model)` swaps that in, the way transformers' kernel hub
+(``kernelize``) replaces the forward of a layer that keeps its torch reference as the body.
+"""
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+from transformers.utils import logging
+
+from modeling_kimi_k3 import situ_and_mul, upcast
+
+__all__ = ["FUSED_MIN_ELEMENTS", "use_fused_situ", "fused_situ_glu", "fused_situ_and_mul"]
+
+logger = logging.get_logger(__name__)
+
+# Activations smaller than this are not worth a kernel launch through the compiled wrapper (decoding, tiny models).
+FUSED_MIN_ELEMENTS = 2**18
+
+
+def situ_and_mul_backward(
+    gate: torch.Tensor, up: torch.Tensor, grad_output: torch.Tensor, beta: float, linear_beta: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input gradients of `situ_and_mul`, written out so that the fused kernels need no autograd.
+
+    With t = tanh(g/β₁), σ = σ(g) and c = β₂·tanh(u/β₂): ∂/∂g = c·σ·((1 − t²) + β₁·t·(1 − σ)),
+    ∂/∂u = β₁·t·σ·(1 − tanh²(u/β₂)) (∂/∂u = β₁·t·σ when the up branch is uncapped).
+    """
+    dtypes = gate.dtype, up.dtype
+    gate, up, grad_output = upcast(gate), upcast(up), upcast(grad_output)
+    gate_tanh, gate_sigmoid = torch.tanh(gate / beta), torch.sigmoid(gate)
+    if linear_beta is None:
+        capped_up, capped_up_slope = up, 1.0
+    else:
+        up_tanh = torch.tanh(up / linear_beta)
+        capped_up, capped_up_slope = linear_beta * up_tanh, 1 - up_tanh * up_tanh
+    gate_slope = gate_sigmoid * ((1 - gate_tanh * gate_tanh) + beta * gate_tanh * (1 - gate_sigmoid))
+    grad_gate = grad_output * capped_up * gate_slope
+    grad_up = grad_output * beta * gate_tanh * gate_sigmoid * capped_up_slope
+    return grad_gate.to(dtypes[0]), grad_up.to(dtypes[1])
+
+
+def situ_glu(gate_up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """SiTU-GLU of ``[gate ‖ up]`` concatenated on the last dim, gate first (the experts' fused layout)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return situ_and_mul(gate, up, beta, linear_beta)
+
+
+def situ_glu_backward(
+    gate_up: torch.Tensor, grad_output: torch.Tensor, beta: float, linear_beta: float | None
+) -> torch.Tensor:
+    """Gradient of `situ_glu` with respect to ``gate_up``, in the same concatenated layout."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.cat(situ_and_mul_backward(gate, up, grad_output, beta, linear_beta), dim=-1)
+
+
+class CompiledFunction:
+    """``function`` compiled by ``torch.compile`` on first call, with dynamic shapes, shared by all its callers.
+
+    One instance per function keeps one compilation cache per process instead of one per layer. Inside an
+    already-compiled region the eager function is traced into the outer graph instead. If compilation fails (no C++
+    compiler for inductor's CPU code, no Triton on a GPU, a Python that dynamo does not support) the eager function
+    is used from then on, after one warning; the kernel's own runtime errors (e.g. out of memory) propagate.
+    """
+
+    def __init__(self, function: Callable):
+        self.function = function
+        self.compiled: Callable | None = None
+        self.failed = False
+
+    def __call__(self, *args):
+        if self.failed or torch.compiler.is_compiling():
+            return self.function(*args)
+        if self.compiled is None:
+            try:
+                self.compiled = torch.compile(self.function, dynamic=True)
+            except RuntimeError as error:
+                return self._fall_back(error, args)
+        try:
+            return self.compiled(*args)
+        except Exception as error:
+            from torch._dynamo.exc import TorchDynamoException  # loaded by the compiled call
+
+            if not isinstance(error, TorchDynamoException):
+                raise
+            return self._fall_back(error, args)
+
+    def _fall_back(self, error: Exception, args: tuple):
+        self.failed = True
+        reason = (str(error).strip().splitlines() or [""])[0]
+        logger.warning(
+            f"torch.compile of `{self.function.__name__}` failed, using the eager PyTorch version from now on "
+            f"(train with --no_fused_situ to skip the attempt): {type(error).__name__}: {reason}"
+        )
+        return self.function(*args)
+
+
+class FusedSiTUGLU(torch.autograd.Function):
+    """SiTU-GLU whose forward and backward are each one compiled elementwise kernel.
+
+    Both directions are plain functions compiled without autograd, so a compiler failure in either is caught and
+    falls back to the eager reference. ``gate`` is either the concatenated ``[gate ‖ up]`` (``up=None``: the gradient
+    is written in that layout, with no split/cat) or the gate alone.
+    """
+
+    glu = CompiledFunction(situ_glu)
+    glu_backward = CompiledFunction(situ_glu_backward)
+    and_mul = CompiledFunction(situ_and_mul)
+    and_mul_backward = CompiledFunction(situ_and_mul_backward)
+
+    @staticmethod
+    def forward(ctx, gate, up, beta, linear_beta):
+        ctx.save_for_backward(gate, up)
+        ctx.betas = beta, linear_beta
+        if up is None:
+            return FusedSiTUGLU.glu(gate, beta, linear_beta)
+        return FusedSiTUGLU.and_mul(gate, up, beta, linear_beta)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output):
+        gate, up = ctx.saved_tensors
+        if up is None:
+            return FusedSiTUGLU.glu_backward(gate, grad_output, *ctx.betas), None, None, None
+        return *FusedSiTUGLU.and_mul_backward(gate, up, grad_output, *ctx.betas), None, None
+
+    @staticmethod
+    def kernels() -> tuple[CompiledFunction, ...]:
+        return FusedSiTUGLU.glu, FusedSiTUGLU.glu_backward, FusedSiTUGLU.and_mul, FusedSiTUGLU.and_mul_backward
+
+
+def fused_situ_glu(gate_up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    return FusedSiTUGLU.apply(gate_up, None, beta, linear_beta)
+
+
+def fused_situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    return FusedSiTUGLU.apply(gate, up, beta, linear_beta)
+
+
+def _fuses(activation: torch.Tensor, min_elements: int) -> bool:
+    """Only training forwards (the backward is where most of the time goes) of large activations."""
+    return activation.requires_grad and torch.is_grad_enabled() and activation.numel() >= min_elements
+
+
+def _activation_forward(module: nn.Module, min_elements: int, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if _fuses(gate, min_elements):
+        return fused_situ_and_mul(gate, up, module.beta, module.linear_beta)
+    return situ_and_mul(gate, up, module.beta, module.linear_beta)
+
+
+def _experts_apply_gate(module: nn.Module, min_elements: int, gate_up: torch.Tensor) -> torch.Tensor:
+    """Fused, the backward writes the gradient of the experts' concatenated ``gate_up`` in one pass."""
+    if _fuses(gate_up, min_elements):
+        return fused_situ_glu(gate_up, module.glu.beta, module.glu.linear_beta)
+    return situ_and_mul(*gate_up.chunk(2, dim=-1), module.glu.beta, module.glu.linear_beta)
+
+
+_KERNELS = {"KimiK3GLUActivation": ("forward", _activation_forward), "KimiK3Experts": ("_apply_gate", _experts_apply_gate)}
+
+
+def use_fused_situ(model: nn.Module, enabled: bool = True, min_elements: int = FUSED_MIN_ELEMENTS) -> int:
+    """Route every SiTU-GLU of ``model`` through `FusedSiTUGLU` in training forwards whose activation has at least
+    ``min_elements`` elements (or back to the model's own reference with ``enabled=False``); returns how many modules
+    changed. Works on the installed classes and on ``trust_remote_code`` copies alike (modules match by class name).
+    """
+    changed = 0
+    for module in model.modules():
+        method, kernel = _KERNELS.get(type(module).__name__, (None, None))
+        activation = getattr(module, "glu", module)
+        if method is None or getattr(activation, "act_fn", None) is not None:  # not SiTU (`hidden_act` is another)
+            continue
+        if enabled:
+            setattr(module, method, partial(kernel, module, min_elements))
+        else:
+            module.__dict__.pop(method, None)
+        changed += 1
+    return changed
