@@ -27,6 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.adamw import adamw
 
+from kimi_k3.precision import matmul_dtype
 from kimi_k3.qk_clip import QKClip
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -40,13 +41,15 @@ _MLA_QUERY_PROJS = ("q_b_proj", "q_proj")
 _LAYER_PARAM = re.compile(r"layers\.(\d+)\.self_attn\.(\w+)\.weight$")
 
 
-def zeropower_via_newton_schulz5(blocks, coefficients=NS_COEFFICIENTS, steps=NS_STEPS, eps=NS_EPS):
-    """Approximate polar factor U·S'·Vᵀ (S' ≈ 1) of every matrix in ``blocks`` [n, rows, cols], in bf16.
+def zeropower_via_newton_schulz5(blocks, coefficients=NS_COEFFICIENTS, steps=NS_STEPS, eps=NS_EPS,
+                                 dtype=torch.bfloat16):
+    """Approximate polar factor U·S'·Vᵀ (S' ≈ 1) of every matrix in ``blocks`` [n, rows, cols], computed in ``dtype``.
 
-    Each matrix is Frobenius-normalized on its own, which is what decouples the heads (training.md §2.3).
+    Each matrix is Frobenius-normalized on its own, which is what decouples the heads (training.md §2.3). NS5 only
+    needs S' near 1, so bf16 suffices where it is fast; fp32 gives the same update to bf16 tolerance.
     """
     a, b, c = coefficients
-    x = blocks.bfloat16()
+    x = blocks.to(dtype)
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
@@ -98,15 +101,15 @@ def gather_whole_matrix(update):
     return update
 
 
-def orthogonalize_by_shape(stacks):
-    """Run NS5 once per distinct block shape over all ``stacks`` of that shape; returns outputs in input order."""
+def orthogonalize_by_shape(stacks, dtype=torch.bfloat16):
+    """Run NS5 in ``dtype`` once per distinct block shape over all ``stacks`` of that shape, in input order."""
     by_shape = defaultdict(list)
     for index, stack in enumerate(stacks):
         by_shape[tuple(stack.shape[1:])].append(index)
     outputs = [None] * len(stacks)
     for indices in by_shape.values():
-        batch = torch.cat([stacks[i].bfloat16() for i in indices])  # cast first: half the bytes to copy
-        pieces = zeropower_via_newton_schulz5(batch).split([stacks[i].shape[0] for i in indices])
+        batch = torch.cat([stacks[i].to(dtype) for i in indices])  # cast first: bf16 halves the bytes to copy
+        pieces = zeropower_via_newton_schulz5(batch, dtype=dtype).split([stacks[i].shape[0] for i in indices])
         for index, piece in zip(indices, pieces):
             outputs[index] = piece
     return outputs
@@ -124,10 +127,14 @@ class PerHeadMuon(torch.optim.Optimizer):
     :meth:`for_model`) runs after every step: the clip is part of the K2/K3 update rule, so keeping it in ``step``
     makes it work in any training loop and fire exactly once per optimizer step. Parameters may be FSDP2 ``DTensor``
     shards (from ``accelerate``'s FSDP2 plugin or transformers' load-time sharding); the update is the same.
+
+    ``ns_dtype`` is the Newton–Schulz precision: ``"auto"`` (default) runs bf16 where the parameters' device
+    multiplies bf16 natively (CUDA, CPUs with AVX-512-BF16 or AMX) and fp32 elsewhere, where emulated bf16 would
+    be 15-100x slower; ``"bfloat16"`` or ``"float32"`` force one.
     """
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, betas=(0.9, 0.95),
-                 eps=1e-8, qk_clip=None):
+                 eps=1e-8, qk_clip=None, ns_dtype="auto"):
         if lr < 0:
             raise ValueError(f"`lr` must be >= 0, got {lr}.")
         if weight_decay < 0:
@@ -138,6 +145,8 @@ class PerHeadMuon(torch.optim.Optimizer):
                         use_muon=True, head_rows=None, expert_rows=None)
         super().__init__(params, defaults)
         self.qk_clip = qk_clip
+        first_param = next(p for group in self.param_groups for p in group["params"])
+        self.ns_dtype = matmul_dtype(ns_dtype, first_param.device)
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
@@ -145,7 +154,7 @@ class PerHeadMuon(torch.optim.Optimizer):
 
     @classmethod
     def for_model(cls, model, lr=1e-3, weight_decay=0.1, adamw_lr=None, adamw_betas=(0.9, 0.95), adamw_eps=1e-8,
-                  momentum=0.95, nesterov=True, split_kv=True, qk_clip_tau=None):
+                  momentum=0.95, nesterov=True, split_kv=True, qk_clip_tau=None, ns_dtype="auto"):
         """Build the optimizer for a Kimi K3 model with the parameter split of training.md §2.4.
 
         ``adamw_lr`` defaults to ``lr``: Moonlight RMS matching makes one lr fit both halves. ``split_kv=True``
@@ -157,7 +166,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         groups = build_param_groups(model, weight_decay=weight_decay, adamw_lr=adamw_lr, split_kv=split_kv)
         qk_clip = None if qk_clip_tau is None else QKClip(model, qk_clip_tau)
         return cls(groups, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                   betas=adamw_betas, eps=adamw_eps, qk_clip=qk_clip)
+                   betas=adamw_betas, eps=adamw_eps, qk_clip=qk_clip, ns_dtype=ns_dtype)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -177,7 +186,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         jobs = [(p, group, row_pattern(group)) for group in groups for p in group["params"] if p.grad is not None]
         updates = [gather_whole_matrix(self._nesterov_momentum(p, group)) for p, group, _ in jobs]
         stacks = [split_row_blocks(update, pattern) for update, (_, _, pattern) in zip(updates, jobs)]
-        orthogonal = iter(orthogonalize_by_shape([stack for per_param in stacks for stack in per_param]))
+        orthogonal = iter(orthogonalize_by_shape([stack for per_param in stacks for stack in per_param], self.ns_dtype))
         for (p, group, pattern), per_param in zip(jobs, stacks):
             blocks = [block for _, block in zip(per_param, orthogonal)]
             scales = {_match_rms_scale(block) for block in blocks}

@@ -28,6 +28,7 @@ from .data import load_corpus, tokenize_into_blocks
 from .distributed import load_full_state_dict
 from .model_card import TrainingSummary, render_model_card
 from .muon import PerHeadMuonFactory
+from .precision import PRECISION_CHOICES, warn_if_bf16_is_emulated
 from .quantile_balancing import QuantileBalancingCallback, find_routers
 from .tokenizer import check_tokenizer_fits, load_tokenizer, train_bpe_tokenizer
 
@@ -82,6 +83,11 @@ class ModelArguments:
         default="per_head_muon",
         metadata={"help": "per_head_muon (Muon for matrices, AdamW for the rest) or adamw (TrainingArguments.optim).",
                   "choices": OPTIMIZERS},
+    )
+    muon_ns_dtype: str = field(
+        default="auto",
+        metadata={"help": "Newton–Schulz precision of Per-Head Muon: auto (bf16 where the device multiplies bf16 "
+                          "natively, else fp32), bfloat16 or float32.", "choices": PRECISION_CHOICES},
     )
     quantile_balancing: bool = field(
         default=True,
@@ -303,6 +309,7 @@ def optimizer_and_callbacks(model_args: ModelArguments, training_args: TrainingA
                 "weight_decay": training_args.weight_decay,
                 "adamw_betas": (training_args.adam_beta1, training_args.adam_beta2),
                 "adamw_eps": training_args.adam_epsilon,
+                "ns_dtype": model_args.muon_ns_dtype,
             },
         )
     callbacks = []
@@ -407,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model_args, data_args, training_args = parse_args(argv)
         check_world_size(training_args)
+        warn_if_bf16_is_emulated(training_args.bf16, training_args.device)
         publish = publish_settings(training_args)
         checkpoint = resolve_checkpoint(training_args)
         set_seed(training_args.seed)  # Trainer seeds only in its constructor, after the model is initialised
