@@ -7,8 +7,9 @@
     - torch.optim.Muon(adjust_lr_fn="match_rms_adamw") on the 2-D Muon matrices, AdamW on everything else
       (including the 3-D experts, which torch's Muon rejects);
     - AdamW, fused (the Trainer default);
-    - Newton–Schulz alone on PerHeadMuon's blocks, and the floor any exact NS5 has here: its FLOPs at the bf16
-      matmul rate of the same block shapes, measured in the run.
+    - PerHeadMuon with its Newton–Schulz in fp32 and in bf16 (``ns_dtype``), and Newton–Schulz alone on its blocks;
+    - the floor any exact NS5 has here in each dtype: its FLOPs at the matmul rate of the same block shapes in that
+      dtype, measured in the run.
 (b) ``transformers.Trainer`` with PerHeadMuon and with the Trainer's AdamW for the same steps on byte-level text of
     Python's own documentation (``pydoc_data.topics``), same init and data order, printing the final eval losses.
     The learning rates were tuned once with ``--sweep`` at the defaults (final eval loss; best in brackets):
@@ -65,6 +66,9 @@ def parse_args() -> argparse.Namespace:
 # ------------------------------------------------------------------------------------------------ (a) step time
 
 
+NS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 def step_time_optimizers(model: KimiK3ForCausalLM) -> dict[str, list[torch.optim.Optimizer]]:
     groups = build_param_groups(model, weight_decay=WEIGHT_DECAY)
     whole = [{key: value for key, value in group.items() if key != "head_rows"} for group in groups]
@@ -72,8 +76,9 @@ def step_time_optimizers(model: KimiK3ForCausalLM) -> dict[str, list[torch.optim
     matrix_ids = {id(p) for p in muon_matrices}
     others = [p for p in model.parameters() if id(p) not in matrix_ids]
     return {
-        "PerHeadMuon": [PerHeadMuon(groups, betas=BETAS)],
-        "PerHeadMuon, whole q/k/v": [PerHeadMuon(whole, betas=BETAS)],
+        **{f"PerHeadMuon, NS in {name}": [PerHeadMuon(groups, betas=BETAS, ns_dtype=dtype)]
+           for name, dtype in NS_DTYPES.items()},
+        "PerHeadMuon, whole q/k/v (auto NS dtype)": [PerHeadMuon(whole, betas=BETAS)],
         "torch Muon (2-D) + AdamW": [
             torch.optim.Muon(muon_matrices, weight_decay=WEIGHT_DECAY, adjust_lr_fn="match_rms_adamw"),
             torch.optim.AdamW(others, weight_decay=WEIGHT_DECAY, betas=BETAS, fused=True),
@@ -97,9 +102,9 @@ def newton_schulz_flops(stacks: list[torch.Tensor]) -> float:
     return total
 
 
-def bf16_block_matmul(stacks: list[torch.Tensor]) -> tuple[Callable, float]:
-    """One X·Xᵀ over all blocks in bf16, grouped by shape as NS5 runs it, and its FLOPs: the rate NS5 can reach."""
-    batches = [torch.cat([s.bfloat16() for s in stacks if s.shape[1:] == shape]) for shape in {s.shape[1:] for s in stacks}]
+def block_matmul_probe(stacks: list[torch.Tensor], dtype: torch.dtype) -> tuple[Callable, float]:
+    """One X·Xᵀ over all blocks in ``dtype``, grouped by shape as NS5 runs it, and its FLOPs: the rate NS5 can reach."""
+    batches = [torch.cat([s.to(dtype) for s in stacks if s.shape[1:] == shape]) for shape in {s.shape[1:] for s in stacks}]
     batches = [batch.mT if batch.shape[-2] > batch.shape[-1] else batch for batch in batches]
     flops = sum(2.0 * b.shape[0] * b.shape[-2] ** 2 * b.shape[-1] for b in batches)
     return (lambda: [b @ b.mT for b in batches]), flops
@@ -116,27 +121,38 @@ def run(quick: bool = False, repeats: int | None = None) -> dict:
         for optimizer in optimizers:  # the first step allocates the state
             optimizer.step()
         candidates[name] = lambda optimizers=optimizers: [optimizer.step() for optimizer in optimizers]
-    stacks = newton_schulz_blocks(optimizers_by_name["PerHeadMuon"][0])
-    candidates["Newton-Schulz alone (PerHeadMuon's blocks)"] = lambda: orthogonalize_by_shape(stacks)
-    gram, gram_flops = bf16_block_matmul(stacks)
-    candidates["bf16 X·Xᵀ of the same blocks (rate probe)"] = gram
+    stacks = newton_schulz_blocks(optimizers_by_name["PerHeadMuon, NS in fp32"][0])
+    probe_flops = {}
+    for name, dtype in NS_DTYPES.items():
+        candidates[f"Newton-Schulz alone, {name}"] = lambda dtype=dtype: orthogonalize_by_shape(stacks, dtype)
+        candidates[f"probe: {name} X·Xᵀ of the same blocks"], probe_flops[name] = block_matmul_probe(stacks, dtype)
     seconds = time_interleaved(candidates, repeats=repeats)
     adamw = seconds["AdamW (fused)"]
-    rate = gram_flops / seconds.pop("bf16 X·Xᵀ of the same blocks (rate probe)")
-    floor = newton_schulz_flops(stacks) / rate
-    rows = [{"optimizer": name, "step ms": value * 1e3, "÷ AdamW": value / adamw} for name, value in seconds.items()]
-    rows.append({"optimizer": "floor: NS5 FLOPs at the probed bf16 rate", "step ms": floor * 1e3, "÷ AdamW": floor / adamw})
+    ns_flops = newton_schulz_flops(stacks)
+    rates = {name: flops / seconds.pop(f"probe: {name} X·Xᵀ of the same blocks") for name, flops in probe_flops.items()}
+    floors = {name: ns_flops / rate for name, rate in rates.items()}
+    rows = []
+    for name, value in seconds.items():
+        dtype = next((d for d in NS_DTYPES if name.endswith(f" {d}")), None)
+        rows.append({"optimizer": name, "step ms": value * 1e3, "÷ AdamW": value / adamw,
+                     "÷ NS floor, same dtype": value / floors[dtype] if dtype else None})
+    for name, floor in floors.items():
+        rows.append({"optimizer": f"floor: NS5 FLOPs at the probed {name} rate", "step ms": floor * 1e3,
+                     "÷ AdamW": floor / adamw, "÷ NS floor, same dtype": 1.0})
+    auto = PerHeadMuon(build_param_groups(model)).ns_dtype
     millions = sum(p.numel() for p in model.parameters()) / 1e6
     return {
         "title": f"P4 - optimizer step, default KimiK3Config() ({millions:.1f}M parameters), random gradients",
-        "tables": [{"caption": "", "columns": ["optimizer", "step ms", "÷ AdamW"], "rows": rows}],
+        "tables": [{"caption": "", "columns": ["optimizer", "step ms", "÷ AdamW", "÷ NS floor, same dtype"],
+                    "rows": rows}],
         "notes": [
-            f"Newton–Schulz: {sum(s.shape[0] for s in stacks):,} blocks, {newton_schulz_flops(stacks) / 1e9:.0f} GFLOP "
-            f"per step; bf16 block matmuls ran at {rate / 1e9:.0f} GFLOP/s here.",
+            f"Newton–Schulz: {sum(s.shape[0] for s in stacks):,} blocks, {ns_flops / 1e9:.0f} GFLOP per step; block "
+            f"matmuls ran at {rates['fp32'] / 1e9:.0f} GFLOP/s in fp32 and {rates['bf16'] / 1e9:.0f} GFLOP/s in bf16 "
+            f"here. PerHeadMuon's default (ns_dtype='auto') picks {str(auto).removeprefix('torch.')} on this machine.",
             "AdamW is memory-bound (a few passes over the parameters); Muon adds O(rows) FLOPs per parameter. The floor "
-            "row is what NS5's matmuls cost at the probed rate; only kernels PyTorch does not offer (batched symmetric "
-            "products for X·Xᵀ and A·A, about a third fewer FLOPs) or a faster matmul could go below it.",
-            "Target: <= 1.5x AdamW.",
+            "rows are what NS5's matmuls cost at the probed rates; only kernels PyTorch does not offer (batched "
+            "symmetric products for X·Xᵀ and A·A, about a third fewer FLOPs) or a faster matmul could go below them.",
+            "Targets: a PerHeadMuon step <= 1.5x the NS floor of its dtype; <= 1.5x AdamW (below the floor here).",
         ],
     }
 
