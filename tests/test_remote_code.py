@@ -22,7 +22,7 @@ LOAD_IN_FRESH_PROCESS = textwrap.dedent(
     for name in ("modeling_kimi_k3", "configuration_kimi_k3", "kimi_k3"):
         sys.modules[name] = None  # any import of the installed project now fails
     for category in (FutureWarning, DeprecationWarning):  # deprecations raised from the model files are errors
-        warnings.filterwarnings("error", category=category, module=r"transformers_modules\.")
+        warnings.filterwarnings("error", category=category, module=r"transformers_modules\\.")
     import torch
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
