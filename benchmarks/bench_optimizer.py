@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 # benchmarks.common first: it sets the OpenMP wait policy before torch is loaded.
-from benchmarks.common import render_markdown, time_interleaved  # noqa: E402
+from benchmarks.common import report, time_interleaved  # noqa: E402
 import torch  # noqa: E402
 from pydoc_data.topics import topics  # noqa: E402
 from transformers import PrinterCallback, ProgressCallback, Trainer, TrainingArguments  # noqa: E402
@@ -43,6 +43,7 @@ from kimi_k3.muon import (  # noqa: E402
     row_pattern,
     split_row_blocks,
 )
+from kimi_k3.precision import cpu_has_native_bf16  # noqa: E402
 from modeling_kimi_k3 import KimiK3ForCausalLM  # noqa: E402
 
 TUNED_LR = {"PerHeadMuon": 3e-3, "AdamW": 3e-3}
@@ -60,13 +61,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--eval-sequences", type=int, default=64, help="held-out sequences for the eval loss")
     parser.add_argument("--sweep", action="store_true", help="run the learning-rate grid of (b) instead")
     parser.add_argument("--skip-timing", action="store_true", help="only run (b)")
+    parser.add_argument("--skip-training", action="store_true", help="only run (a)")
     return parser.parse_args()
 
 
 # ------------------------------------------------------------------------------------------------ (a) step time
 
 
-NS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# bf16 candidates only where bf16 matmuls are native: emulated, one bf16 step of the default model takes minutes.
+NS_DTYPES = {"fp32": torch.float32, **({"bf16": torch.bfloat16} if cpu_has_native_bf16() else {})}
 
 
 def step_time_optimizers(model: KimiK3ForCausalLM) -> dict[str, list[torch.optim.Optimizer]]:
@@ -147,8 +150,9 @@ def run(quick: bool = False, repeats: int | None = None) -> dict:
                     "rows": rows}],
         "notes": [
             f"Newton–Schulz: {sum(s.shape[0] for s in stacks):,} blocks, {ns_flops / 1e9:.0f} GFLOP per step; block "
-            f"matmuls ran at {rates['fp32'] / 1e9:.0f} GFLOP/s in fp32 and {rates['bf16'] / 1e9:.0f} GFLOP/s in bf16 "
-            f"here. PerHeadMuon's default (ns_dtype='auto') picks {str(auto).removeprefix('torch.')} on this machine.",
+            f"matmuls ran at {', '.join(f'{rate / 1e9:.0f} GFLOP/s in {name}' for name, rate in rates.items())} here "
+            "(bf16 is left out where it is emulated). PerHeadMuon's default (ns_dtype='auto') picks "
+            f"{str(auto).removeprefix('torch.')} on this machine.",
             "AdamW is memory-bound (a few passes over the parameters); Muon adds O(rows) FLOPs per parameter. The floor "
             "rows are what NS5's matmuls cost at the probed rates; only kernels PyTorch does not offer (batched "
             "symmetric products for X·Xᵀ and A·A, about a third fewer FLOPs) or a faster matmul could go below them.",
@@ -235,9 +239,10 @@ def training_table(args: argparse.Namespace, learning_rates: dict[str, tuple[flo
 def main() -> None:
     args = parse_args()
     if not args.skip_timing and not args.sweep:
-        print(render_markdown("optimizer", run(repeats=args.repeats)), flush=True)
-    grid = LR_GRID if args.sweep else {name: (lr,) for name, lr in TUNED_LR.items()}
-    print(training_table(args, grid))
+        report("optimizer", run(repeats=args.repeats))
+    if not args.skip_training:
+        grid = LR_GRID if args.sweep else {name: (lr,) for name, lr in TUNED_LR.items()}
+        print(training_table(args, grid))
 
 
 if __name__ == "__main__":
