@@ -628,16 +628,8 @@ class KimiK3MLAAttention(nn.Module):
         keys, values = self.expand_key_values(latent, shared_key)
         if self.config.record_attn_logit_max and self.training and torch.is_grad_enabled():
             self._record_logit_max(queries, keys, token_mask)
-        return attention_interface(
-            self,
-            queries,
-            keys,
-            values,
-            attention_mask,
-            dropout=self.attention_dropout if self.training else 0.0,
-            scaling=self.scaling,
-            **kwargs,
-        )
+        dropout = self.attention_dropout if self.training else 0.0
+        return self._attention(attention_interface, queries, keys, values, attention_mask, dropout, **kwargs)
 
     def _attend_absorbed(self, attention_interface, queries, latent, shared_key, attention_mask, token_mask, **kwargs):
         """Attention over the cached latent: q·k_nope = (W_ukᵀ q)·c_kv, and W_uv is applied after the softmax."""
@@ -646,21 +638,38 @@ class KimiK3MLAAttention(nn.Module):
         absorbed_query = torch.cat([torch.einsum("bhtn,hnc->bhtc", query_nope, key_weight), query_rope], dim=-1)
         keys = torch.cat([latent, shared_key], dim=-1).expand(-1, self.num_heads, -1, -1)
         values = latent.expand(-1, self.num_heads, -1, -1)
-        latent_output, attn_weights = attention_interface(
-            self, absorbed_query, keys, values, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
+        latent_output, attn_weights = self._attention(
+            attention_interface, absorbed_query, keys, values, attention_mask, 0.0, **kwargs
         )
-        return torch.einsum("bthc,hvc->bthv", latent_output, value_weight), attn_weights
+        with torch.autocast(latent_output.device.type, enabled=False):
+            value_weight = value_weight.to(torch.promote_types(value_weight.dtype, latent_output.dtype))
+            return torch.einsum("bthc,hvc->bthv", latent_output, value_weight), attn_weights
+
+    def _attention(self, attention_interface, query, key, value, attention_mask, dropout, **kwargs):
+        """The attention interface; under autocast on fp32 copies of q/k/v with autocast off, so that the output
+        reaches the output gate in fp32: K3 keeps the attention output in FP32 in training against the biased
+        rounding of low-precision attention outputs (Kimi K3 technical report §2.1.2)."""
+        if not torch.is_autocast_enabled(query.device.type):
+            return attention_interface(
+                self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs
+            )
+        with torch.autocast(query.device.type, enabled=False):
+            return attention_interface(
+                self, upcast(query), upcast(key), upcast(value), attention_mask, dropout=dropout,
+                scaling=self.scaling, **kwargs,
+            )
 
     @torch.no_grad()
     def _record_logit_max(self, queries: torch.Tensor, keys: torch.Tensor, token_mask: torch.Tensor | None) -> None:
-        """Per-head running max of the pre-softmax logits over causal, non-padding pairs (QK-Clip, training.md §2.5)."""
+        """Per-head running max of the pre-softmax logits over causal pairs whose query and key are both real tokens
+        (QK-Clip): a padded query row is never attended from, so it must not trigger a clip."""
         logits = torch.matmul(upcast(queries), upcast(keys).transpose(2, 3)) * self.scaling
         query_len, key_len = logits.shape[-2:]
         allowed = torch.ones(query_len, key_len, dtype=torch.bool, device=logits.device).tril(key_len - query_len)
         allowed = allowed.expand(logits.shape[0], 1, -1, -1)
         if token_mask is not None:
-            valid_keys = token_mask.view(logits.shape[0], -1)[:, -key_len:]
-            allowed = allowed & valid_keys[:, None, None, :]
+            valid = token_mask.view(logits.shape[0], -1)
+            allowed = allowed & valid[:, None, -query_len:, None] & valid[:, None, None, -key_len:]
         head_max = logits.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3))
         torch.maximum(self.attn_logit_max, head_max, out=self.attn_logit_max)
 
