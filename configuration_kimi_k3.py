@@ -1,8 +1,8 @@
 """Configuration of the Kimi K3 text model (hybrid KDA/MLA, Block Attention Residuals, Stable LatentMoE).
 
-Field names and meanings are those of the released checkpoint's ``text_config`` (architecture.md §1.2-1.3), so a
+Field names and meanings are those of the released checkpoint's ``text_config`` (``moonshotai/Kimi-K3``), so a
 released ``config.json`` loads unchanged; the multimodal wrapper of the release is flattened to its text part.
-Defaults describe a small model that trains on a CPU in minutes while keeping every K3 invariant (architecture.md §6);
+Defaults describe a small model that trains on a CPU in minutes while keeping every K3 invariant;
 ``KimiK3Config.kimi_k3()`` gives the released 2.78T configuration.
 """
 
@@ -84,11 +84,12 @@ class KimiK3Config(PreTrainedConfig):
 
     router_balancing (`str`, defaults to `"quantile_balancing"`):
         `"quantile_balancing"`: routers route with top-(k+1) in training and record the required-bias statistics of
-        Quantile Balancing (training.md §1.2-1.4). `"none"`: plain top-k, only per-expert token counts are kept.
-    qb_num_bins (`int`, defaults to 1000): histogram bins of the required bias (training.md §1.4).
+        Quantile Balancing (K3 report §2.3.3, Eq. 13-14). `"none"`: plain top-k, only per-expert token counts are
+        kept.
+    qb_num_bins (`int`, defaults to 1000): histogram bins of the required bias (K3 report Eq. 14).
     qb_estimator (`str`, defaults to `"histogram"`): `"histogram"` or `"exact"` (keeps every required bias).
     record_attn_logit_max (`bool`, defaults to `False`): MLA layers record their per-head maximum pre-softmax logit
-        during training forwards, for QK-Clip (training.md §2.5).
+        during training forwards, for QK-Clip (Kimi K2 report, arXiv:2507.20534).
     """
 
     model_type = "kimi_k3"
@@ -121,7 +122,7 @@ class KimiK3Config(PreTrainedConfig):
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
 
-    # Gated MLA (architecture.md §2.4)
+    # Gated MLA (DeepSeek-V2 §2.1; K3 report §2.1.2)
     num_attention_heads: int = 4
     num_key_value_heads: int | None = None
     q_lora_rank: int | None = 128
@@ -133,10 +134,10 @@ class KimiK3Config(PreTrainedConfig):
     mla_use_output_gate: bool = True
     attention_dropout: float = 0.0
 
-    # Kimi Delta Attention (architecture.md §2.3); the 1-based layer lists also define the layer pattern.
+    # Kimi Delta Attention (Kimi Linear; K3 report §2.1); the 1-based layer lists also define the layer pattern.
     linear_attn_config: dict | None = None
 
-    # Feed-forward (architecture.md §2.5-2.6)
+    # Feed-forward (K3 report §2.3)
     hidden_act: str = "situ"
     activation_situ_beta: float | None = 4.0
     activation_situ_linear_beta: float | None = 25.0
@@ -157,7 +158,7 @@ class KimiK3Config(PreTrainedConfig):
     num_expert_group: int = 1
     topk_group: int = 1
 
-    # Block Attention Residuals (architecture.md §2.2); None gives the plain pre-norm residual stream.
+    # Block Attention Residuals (arXiv:2603.15031); None gives the plain pre-norm residual stream.
     attn_res_block_size: int | None = 4
     num_nextn_predict_layers: int = 0
 
@@ -188,7 +189,7 @@ class KimiK3Config(PreTrainedConfig):
         self._derive_layer_types()
 
     def _flatten_release_wrapper(self, text_config: dict, kwargs: dict) -> dict:
-        """Take the text part of a released multimodal ``config.json`` (architecture.md §1.1).
+        """Take the text part of a released multimodal ``config.json``.
 
         Text fields override the wrapper's; token ids missing from the text part are carried over from the wrapper.
         ``model_type``/``architectures``/``auto_map`` (wrapper and text part) point at the release's remote code and
@@ -222,7 +223,7 @@ class KimiK3Config(PreTrainedConfig):
 
     @classmethod
     def kimi_k3(cls, **overrides) -> "KimiK3Config":
-        """The released Kimi-K3 text configuration (architecture.md §1.2)."""
+        """The released Kimi-K3 text configuration (``moonshotai/Kimi-K3`` ``text_config``)."""
         full_attn = [i for i in range(4, 93, 4)] + [93]
         kda = [i for i in range(1, 94) if i not in full_attn]
         values = {
@@ -407,7 +408,7 @@ class KimiK3Config(PreTrainedConfig):
         if self.qk_rope_head_dim is None or self.qk_rope_head_dim < 0:
             raise ValueError(f"`qk_rope_head_dim` must be an integer >= 0, got {self.qk_rope_head_dim!r}.")
         if not self.mla_use_nope:
-            raise ValueError("`mla_use_nope` must be True: K3's MLA uses no rotary embedding (architecture.md §2.4).")
+            raise ValueError("`mla_use_nope` must be True: K3's MLA uses no rotary embedding.")
 
     def _validate_moe(self) -> None:
         for name in ("num_experts", "num_experts_per_token", "moe_intermediate_size"):
@@ -436,7 +437,7 @@ class KimiK3Config(PreTrainedConfig):
             if self.moe_router_activation_func != "sigmoid":
                 raise ValueError(
                     "`router_balancing='quantile_balancing'` needs `moe_router_activation_func='sigmoid'` "
-                    "(its histogram range assumes scores in (0, 1), training.md §1.4)."
+                    "(its histogram range assumes scores in (0, 1))."
                 )
             if self.num_experts_per_token + 1 > self.num_experts:
                 raise ValueError(

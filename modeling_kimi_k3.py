@@ -1,9 +1,16 @@
 """PyTorch Kimi K3 text model: Kimi Delta Attention + Gated MLA, Block Attention Residuals, Stable LatentMoE.
 
-The file follows architecture.md §2 top-down: norms and SiTU, KDA kernels and layer, Gated MLA, Block Attention
+The file reads top-down like the architecture: norms and SiTU, KDA kernels and layer, Gated MLA, Block Attention
 Residuals, router, experts, LatentMoE block, decoder layer, model. Attribute names are the released checkpoint's
-state-dict names (architecture.md §3.1). The file imports only torch, transformers (with its safetensors dependency)
-and its configuration sibling, so it can be copied into a checkpoint folder and loaded with ``trust_remote_code=True``.
+state-dict names (``moonshotai/Kimi-K3``, ``model.safetensors.index.json``).
+
+References: the Kimi K3 technical report (arXiv:2607.24653; "K3 report" below), Kimi Linear (arXiv:2510.26692) and
+flash-linear-attention's ``fla/ops/kda`` for Kimi Delta Attention, DeepSeek-V2 (arXiv:2405.04434) for MLA, Gated
+Attention (arXiv:2505.06708), Attention Residuals (arXiv:2603.15031), and transformers' ``modeling_kimi_linear.py``.
+
+The file imports only torch, transformers and its sibling files (configuration, checkpoint formats), so it can be
+copied into a checkpoint folder and loaded with ``trust_remote_code=True``. Fast kernels attach from outside
+(``kimi_k3.fused_situ``); design notes for contributors are in the repository's ``docs/design.md``.
 """
 
 import math
@@ -60,7 +67,7 @@ def take_cache_argument(cache: Cache | None, kwargs: dict) -> Cache | None:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Norms and activations (architecture.md §2.0, §2.5)
+# Norms and activations (K3 report §2.3.2)
 # ---------------------------------------------------------------------------------------------------------------------
 def upcast(x: torch.Tensor) -> torch.Tensor:
     """At least fp32: the precision-critical paths run in fp32 for bf16 models and stay exact for fp64 references."""
@@ -68,7 +75,7 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
 
 
 class KimiK3RMSNorm(nn.Module):
-    """RMSNorm computed in fp32, cast back to the input dtype *before* the weight multiply (architecture.md §2.0)."""
+    """RMSNorm computed in fp32, cast back to the input dtype *before* the weight multiply, as the released code."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -86,7 +93,7 @@ class KimiK3RMSNorm(nn.Module):
 
 
 class KimiK3GatedRMSNorm(nn.Module):
-    """Per-head RMSNorm followed by a sigmoid output gate, all in fp32 (KDA output, architecture.md §2.3 step 8)."""
+    """Per-head RMSNorm followed by a sigmoid output gate, all in fp32 (KDA output, Kimi Linear §3)."""
 
     def __init__(self, head_dim: int, eps: float):
         super().__init__()
@@ -101,7 +108,7 @@ class KimiK3GatedRMSNorm(nn.Module):
 
 
 def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
-    """SiTU-GLU: β₁·tanh(g/β₁)·σ(g) · β₂·tanh(u/β₂), in fp32 (training.md §3.1); |out| <= β₁β₂.
+    """SiTU-GLU: β₁·tanh(g/β₁)·σ(g) · β₂·tanh(u/β₂), in fp32 (K3 report Eq. 12); |out| <= β₁β₂.
 
     ``linear_beta=None`` leaves the up branch uncapped, as the released code does when the field is missing.
     """
@@ -130,7 +137,7 @@ class KimiK3GLUActivation(nn.Module):
 
 
 class KimiK3MLP(nn.Module):
-    """Dense GLU feed-forward: layer 0's ``mlp`` and the MoE ``shared_experts`` (architecture.md §2.5)."""
+    """Dense GLU feed-forward: layer 0's ``mlp`` and the MoE ``shared_experts``."""
 
     def __init__(self, config: KimiK3Config, intermediate_size: int | None = None):
         super().__init__()
@@ -145,19 +152,20 @@ class KimiK3MLP(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Kimi Delta Attention kernels (architecture.md §2.3). Inputs are fp32: q and k already L2-normalised, q scaled.
+# Kimi Delta Attention kernels (Kimi Linear §3, K3 report §2.1).
+# Inputs are fp32: q and k already L2-normalised, q scaled.
 # Shapes: q, k [B, T, H, Dk]; v [B, T, H, Dv]; g [B, T, H, Dk] (log-decay, <= 0); beta [B, T, H];
 # state [B, H, Dk, Dv].
 # ---------------------------------------------------------------------------------------------------------------------
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(Σx² + eps): the eps sits inside the square root, as in FLA's l2norm (architecture.md §2.3 step 3)."""
+    """x / sqrt(Σx² + eps): the eps sits inside the square root, as in FLA's l2norm."""
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
 def kda_decay_gate(
     gate_input: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float
 ) -> torch.Tensor:
-    """K3's "safe" decay gate g = lb·σ(exp(A_log[h])·(f + dt_bias)) ∈ (lb, 0), in fp32 (architecture.md §2.3 step 4).
+    """K3's "safe" decay gate g = lb·σ(exp(A_log[h])·(f + dt_bias)) ∈ (lb, 0), in fp32 (K3 report §2.1).
 
     It replaces Kimi Linear's −exp(A)·softplus(f + dt_bias); it is not a clamp of it.
     """
@@ -169,7 +177,7 @@ def kda_decay_gate(
 
 
 def recurrent_kda(q, k, v, g, beta, initial_state=None):
-    """Token-by-token delta rule with per-channel decay (architecture.md §2.3 step 6); used for decoding.
+    """Token-by-token delta rule with per-channel decay (Kimi Linear Eq. 1); used for decoding.
 
     Like `chunk_kda` it ignores autocast: the state recurrence runs in the caller's precision (fp32 in the layer).
     """
@@ -211,7 +219,7 @@ def kda_intra_chunk_scores(q, k, gamma, sub_chunk_size: int) -> tuple[torch.Tens
     A_qk[r, s] = Σ_c q_rc k_sc e^{γ_rc−γ_sc} for s ≤ r, and A_kk the same with k_r for s < r. With a_i the first and
     z_j the last γ of the sub-chunks i ∋ r and j ∋ s, e^{γ_r−γ_s} = e^{γ_r−a_i} · e^{a_i−z_j} · e^{z_j−γ_s}: the
     outer exponents are ≤ 0, the bridge a_i − z_j is ≤ 0 for j < i and at most (S−1)|lb| for j = i. Never
-    e^{γ_r}·e^{−γ_s} over a whole chunk: γ reaches −320 with lb = −5 (architecture.md §2.3 step 7).
+    e^{γ_r}·e^{−γ_s} over a whole chunk: γ reaches −320 with lb = −5.
     """
     chunk_size = k.shape[-2]
     num_sub = chunk_size // sub_chunk_size
@@ -235,13 +243,13 @@ def _split_chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
 
 
 def chunk_kda(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, gate_lower_bound: float | None = None):
-    """Chunked KDA: the WY form of architecture.md §2.3 step 7, equal to `recurrent_kda` up to rounding.
+    """Chunked KDA: the WY form of Kimi Linear §3.1 (``fla/ops/kda``), equal to `recurrent_kda` up to rounding.
 
     Everything that does not depend on the incoming state (decayed scores, T = (I + L)^-1, U, W) is computed for all
     chunks at once; only Ṽ = U − W S and the state update run chunk by chunk. ``gate_lower_bound`` (every g ≥ lb)
     sizes the sub-chunks of `kda_intra_chunk_scores`; without it the kernel assumes nothing about g.
     Padding the tail with k = v = g = β = 0 leaves the state untouched, so any length works. Autocast is ignored:
-    bf16 matmuls would break the fp32 state recurrence of architecture.md §2.3 step 6.
+    bf16 matmuls would break the fp32 state recurrence.
     """
     with torch.autocast(q.device.type, enabled=False):
         return _chunk_kda(q, k, v, g, beta, initial_state, chunk_size, gate_lower_bound)
@@ -278,7 +286,7 @@ def _chunk_kda(q, k, v, g, beta, initial_state, chunk_size: int, gate_lower_boun
 
 
 class KimiK3DeltaAttention(nn.Module):
-    """Kimi Delta Attention with K3's lower-bounded sigmoid decay and full-rank output gate (architecture.md §2.3)."""
+    """Kimi Delta Attention with K3's lower-bounded sigmoid decay and full-rank output gate (K3 report §2.1)."""
 
     def __init__(self, config: KimiK3Config, layer_idx: int):
         super().__init__()
@@ -330,7 +338,7 @@ class KimiK3DeltaAttention(nn.Module):
     ) -> tuple[torch.Tensor, None]:
         batch_size, seq_len, _ = hidden_states.shape
         if attention_mask is not None:
-            # Padding must not reach the short convolutions of real tokens (architecture.md §2.3 step 9).
+            # Padding must not reach the short convolutions of real tokens.
             hidden_states = hidden_states * attention_mask[..., None].to(hidden_states.dtype)
         head_shape = (batch_size, seq_len, self.num_heads, self.head_dim)
         previous_state = cache.get_recurrent_state(self.layer_idx) if cache is not None else None
@@ -362,7 +370,7 @@ class KimiK3DeltaAttention(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Gated MLA (architecture.md §2.4)
+# Gated MLA (DeepSeek-V2 §2.1, K3 report §2.1.2 Eq. 7)
 # ---------------------------------------------------------------------------------------------------------------------
 def eager_attention_forward(
     module: nn.Module,
@@ -374,7 +382,7 @@ def eager_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference attention: scores in the working dtype, softmax in fp32 (architecture.md §2.4 step 4)."""
+    """Reference attention: scores in the working dtype, softmax in fp32, as transformers' eager attention."""
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
     if attention_mask is not None:
         scores = scores + attention_mask[:, :, :, : key.shape[-2]]
@@ -387,7 +395,7 @@ def eager_attention_forward(
 class KimiK3MLAAttention(nn.Module):
     """Multi-head Latent Attention with NoPE and a sigmoid output gate.
 
-    The 64 "rope" dimensions are extra, never-rotated content channels (architecture.md §2.4 step 3). The cache holds
+    The 64 "rope" dimensions are extra, never-rotated content channels (the release uses NoPE). The cache holds
     the compressed latent (normed c_kv and the shared k_r); decoding steps attend in the absorbed form, where
     ``kv_b_proj`` is folded into the query and the output instead of expanding every cached token.
     """
@@ -413,7 +421,7 @@ class KimiK3MLAAttention(nn.Module):
             self.q_proj = nn.Linear(hidden_size, self.num_heads * self.qk_head_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(hidden_size, self.q_lora_rank, bias=False)
-            self.q_a_layernorm = KimiK3RMSNorm(self.q_lora_rank)  # eps 1e-6, as released (architecture.md §2.0)
+            self.q_a_layernorm = KimiK3RMSNorm(self.q_lora_rank)  # eps 1e-6, as released
             self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(hidden_size, self.kv_lora_rank + self.qk_rope_head_dim, bias=False)
         self.kv_a_layernorm = KimiK3RMSNorm(self.kv_lora_rank)
@@ -475,7 +483,7 @@ class KimiK3MLAAttention(nn.Module):
         attn_output, attn_weights = attend(attention_interface, queries, latent, shared_key, attention_mask, token_mask, **kwargs)
         attn_output = attn_output.reshape(batch_size, seq_len, -1)
         if self.g_proj is not None:
-            # The gate reads the normed layer input, not the attention output (training.md §4).
+            # The gate reads the normed layer input, not the attention output (K3 report Eq. 7).
             attn_output = attn_output * torch.sigmoid(self.g_proj(hidden_states))
         return self.o_proj(attn_output), attn_weights
 
@@ -530,28 +538,28 @@ class KimiK3MLAAttention(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Block Attention Residuals (architecture.md §2.2)
+# Block Attention Residuals (Attention Residuals, arXiv:2603.15031)
 # ---------------------------------------------------------------------------------------------------------------------
 def block_attention_residual(
-    partial: torch.Tensor, blocks: list[torch.Tensor], proj: nn.Linear, norm: KimiK3RMSNorm
+    block_sum: torch.Tensor, blocks: list[torch.Tensor], proj: nn.Linear, norm: KimiK3RMSNorm
 ) -> torch.Tensor:
-    """Softmax mix of the block snapshots and the running partial sum, keyed by a weightless RMS, in fp32.
+    """Softmax mix of the block snapshots and the running block sum, keyed by a weightless RMS, in fp32.
 
     The pseudo-query is ``norm.weight ⊙ proj.weight[0]``; the mix is over the raw (un-normalised) values.
     """
-    values = upcast(torch.stack([*blocks, partial], dim=-2))
+    values = upcast(torch.stack([*blocks, block_sum], dim=-2))
     keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
     pseudo_query = upcast(norm.weight) * upcast(proj.weight[0])
     mix = torch.softmax(keys @ pseudo_query, dim=-1)
-    return (mix.unsqueeze(-1) * values).sum(-2).to(partial.dtype)
+    return (mix.unsqueeze(-1) * values).sum(-2).to(block_sum.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Stable LatentMoE (architecture.md §2.6, training.md §1.1)
+# Stable LatentMoE (K3 report §2.3, Eq. 11 and 13)
 # ---------------------------------------------------------------------------------------------------------------------
 def histogram_range(bias: torch.Tensor, num_bins: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Lower edge and bin width of [b_min − 1, b_max + 1] over the last dim of ``bias`` [..., n], which holds every
-    required bias r = α − s for scores in (0, 1) (training.md §1.4)."""
+    required bias r = α − s for scores in (0, 1) (K3 report Eq. 14)."""
     low = bias.min(-1, keepdim=True).values - 1
     return low, (bias.max(-1, keepdim=True).values + 1 - low) / num_bins
 
@@ -587,7 +595,7 @@ class KimiK3TopkRouter(nn.Module):
     """Sigmoid router whose fp32 bias only picks experts; the weights come from the bias-free scores.
 
     In training forwards it *records* what balancing policies need — per-expert token counts and, for Quantile
-    Balancing, the required bias r = α − s of every valid token (training.md §1.4) — and nothing else: the
+    Balancing, the required bias r = α − s of every valid token (K3 report Eq. 14) — and nothing else: the
     policies that turn these statistics into bias updates live outside the model.
     """
 
@@ -645,12 +653,6 @@ class KimiK3TopkRouter(nn.Module):
                 required_bias, self.e_score_correction_bias, self.num_bins, token_mask
             )
 
-    def reset_statistics(self) -> None:
-        self.tokens_per_expert.zero_()
-        if self.quantile_balancing:
-            self.qb_histogram.zero_()
-        self.qb_required_bias.clear()
-
 
 @use_experts_implementation
 class KimiK3Experts(nn.Module):
@@ -700,7 +702,7 @@ class KimiK3Experts(nn.Module):
 
 
 class KimiK3SparseMoeBlock(nn.Module):
-    """Stable LatentMoE: y = shared(x) + W↑·RMSNorm(Σ p_i E_i(W↓x)) (report Eq. 11, architecture.md §2.6)."""
+    """Stable LatentMoE: y = shared(x) + W↑·RMSNorm(Σ p_i E_i(W↓x)) (K3 report Eq. 11)."""
 
     def __init__(self, config: KimiK3Config):
         super().__init__()
@@ -734,10 +736,13 @@ class KimiK3SparseMoeBlock(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Decoder layer and models (architecture.md §2.1-2.2)
+# Decoder layer and models
 # ---------------------------------------------------------------------------------------------------------------------
 class KimiK3DecoderLayer(GradientCheckpointingLayer):
-    """One K3 layer on the (partial sum, block bank) state of Block Attention Residuals (architecture.md §2.2)."""
+    """One K3 layer on the (block sum, block snapshots) state of Block Attention Residuals.
+
+    ``block_sum`` is the running sum of the current block's layer outputs (the paper's partial block sum; the
+    embeddings before the first block ends), ``blocks`` the snapshots of the completed blocks."""
 
     def __init__(self, config: KimiK3Config, layer_idx: int):
         super().__init__()
@@ -769,7 +774,7 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
 
     def forward(
         self,
-        partial: torch.Tensor,
+        block_sum: torch.Tensor,
         blocks: list[torch.Tensor],
         attention_mask: torch.Tensor | None = None,
         token_mask: torch.Tensor | None = None,
@@ -777,27 +782,27 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         **kwargs,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         if self.attn_res_block_size is None:
-            # Plain pre-norm residual stream (no AttnRes); `partial` is then the hidden state.
+            # Plain pre-norm residual stream (no AttnRes); `block_sum` is then the hidden state.
             mixed, _ = self.self_attn(
-                self.input_layernorm(partial), attention_mask, cache=cache, token_mask=token_mask, **kwargs
+                self.input_layernorm(block_sum), attention_mask, cache=cache, token_mask=token_mask, **kwargs
             )
-            hidden_states = partial + mixed
+            hidden_states = block_sum + mixed
             return hidden_states + self.feed_forward(hidden_states, token_mask), blocks
 
         mixer_input = (
-            block_attention_residual(partial, blocks, self.self_attention_res_proj, self.self_attention_res_norm)
+            block_attention_residual(block_sum, blocks, self.self_attention_res_proj, self.self_attention_res_norm)
             if blocks
-            else partial
+            else block_sum
         )
         starts_block = self.layer_idx % self.attn_res_block_size == 0
         if starts_block:
-            blocks = [*blocks, partial]
+            blocks = [*blocks, block_sum]
         mixed, _ = self.self_attn(
             self.input_layernorm(mixer_input), attention_mask, cache=cache, token_mask=token_mask, **kwargs
         )
-        partial = mixed if starts_block else partial + mixed
-        ffn_input = block_attention_residual(partial, blocks, self.mlp_res_proj, self.mlp_res_norm)
-        return partial + self.feed_forward(ffn_input, token_mask), blocks
+        block_sum = mixed if starts_block else block_sum + mixed
+        ffn_input = block_attention_residual(block_sum, blocks, self.mlp_res_proj, self.mlp_res_norm)
+        return block_sum + self.feed_forward(ffn_input, token_mask), blocks
 
 
 class KimiK3PreTrainedModel(PreTrainedModel):
@@ -874,6 +879,11 @@ class KimiK3PreTrainedModel(PreTrainedModel):
 
 
 class KimiK3Model(KimiK3PreTrainedModel):
+    """The decoder stack. With Block Attention Residuals there is no single residual stream: each layer reads a learned
+    mix of the block snapshots. ``output_hidden_states=True`` therefore returns each layer's running block sum (the
+    first element of its output state), and ``last_hidden_state`` the normed final mix of all blocks.
+    """
+
     def __init__(self, config: KimiK3Config):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
@@ -932,19 +942,21 @@ class KimiK3Model(KimiK3PreTrainedModel):
         if attention_mask is not None and attention_mask.ndim == 2:
             token_mask = attention_mask[:, -inputs_embeds.shape[1] :].bool().reshape(-1)
 
-        partial, blocks = inputs_embeds, []
+        block_sum, blocks = inputs_embeds, []
         for decoder_layer in self.layers:
-            partial, blocks = decoder_layer(
-                partial,
+            block_sum, blocks = decoder_layer(
+                block_sum,
                 blocks,
                 attention_mask=masks[decoder_layer.layer_type],
                 token_mask=token_mask,
                 cache=cache,
                 **kwargs,
             )
-        hidden_states = partial
+        hidden_states = block_sum
         if self.output_attn_res_proj is not None:
-            hidden_states = block_attention_residual(partial, blocks, self.output_attn_res_proj, self.output_attn_res_norm)
+            hidden_states = block_attention_residual(
+                block_sum, blocks, self.output_attn_res_proj, self.output_attn_res_norm
+            )
         return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **{CACHE_FIELD: cache})
 
     def _check_input_ids(self, input_ids: torch.Tensor) -> None:
