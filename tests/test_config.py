@@ -149,3 +149,13 @@ def test_config_json_values_of_the_wrong_type_are_refused_at_load_naming_the_fie
     with pytest.raises(ValueError) as error:
         KimiK3Config.from_pretrained(tmp_path)
     assert str(error.value) == message
+
+
+def test_old_config_json_with_a_retired_training_switch_loads_and_drops_it(tmp_path):
+    tiny_config().save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "use_fused_situ": False}))
+    loaded = KimiK3Config.from_pretrained(tmp_path)
+    assert not hasattr(loaded, "use_fused_situ")
+    loaded.save_pretrained(tmp_path / "again")
+    assert "use_fused_situ" not in json.loads((tmp_path / "again" / "config.json").read_text())
