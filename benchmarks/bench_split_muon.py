@@ -121,7 +121,7 @@ def slowest_rank(result: dict) -> dict[str, float]:
 
 
 def run(quick: bool = False, repeats: int | None = None) -> dict:
-    repeats = repeats or (2 if quick else 3)
+    repeats = repeats or 2
     batch = 2 if quick else BATCH
     rounds = 1 if quick else 2
     best = {1: {}, 2: {}}

@@ -160,3 +160,9 @@ def test_measured_traffic_is_the_exchange_bytes_formula(layout, launched):
     expected = newton_schulz_exchange_bytes(shapes, patterns, WORLD_SIZE, sharded=layout == "fsdp2",
                                             itemsize=result["ns_itemsize"])
     assert result["bytes_per_rank"] == [[traffic] * scenario.STEPS for traffic in expected]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_plain_parameters_with_different_updates_per_rank_are_refused(launched):
+    assert "pass split_newton_schulz=False when each rank trains its own model" in launched["refusal"]
