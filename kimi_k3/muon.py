@@ -37,6 +37,7 @@ from kimi_k3.split_newton_schulz import (
     exchange_bytes,
     orthogonalize_split,
     plan_exchange,
+    sharded_exchange_bytes,
     split_domain,
 )
 
@@ -145,6 +146,8 @@ def newton_schulz_exchange_bytes(shapes, patterns, world_size, sharded, itemsize
     """(bytes sent, bytes received) per rank and optimizer step by split Newton–Schulz, for Muon parameters of global
     ``shapes`` with block ``patterns`` (``row_pattern`` of their groups; None = whole matrices), replicated (DDP)
     or dim-0 sharded (FSDP2) over ``world_size`` ranks. See :mod:`kimi_k3.split_newton_schulz` for the scheme."""
+    if sharded:
+        return sharded_exchange_bytes(shapes, patterns, world_size, NS_STEPS, itemsize)
     return exchange_bytes(plan_exchange(shapes, patterns, world_size, sharded, NS_STEPS), itemsize)
 
 
