@@ -377,15 +377,7 @@ def optimizer_and_callbacks(model_args: ModelArguments, training_args: TrainingA
     """Per-Head Muon through Trainer's optimizer-factory hook (or Trainer's own AdamW), and the balancing callback."""
     optimizer_cls_and_kwargs = None
     if model_args.optimizer == "per_head_muon":
-        optimizer_cls_and_kwargs = (
-            PerHeadMuonFactory,
-            {
-                "lr": training_args.learning_rate,
-                "weight_decay": training_args.weight_decay,
-                "adamw_betas": (training_args.adam_beta1, training_args.adam_beta2),
-                "adamw_eps": training_args.adam_epsilon,
-            },
-        )
+        optimizer_cls_and_kwargs = PerHeadMuonFactory.from_training_args(training_args)
     callbacks = []
     if find_routers(model):
         update_rule = "quantile" if model_args.quantile_balancing else "none"

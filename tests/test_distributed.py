@@ -216,7 +216,12 @@ def test_trainer_on_model_sharded_at_load_time_equals_single_process(two_process
     assert sharded["world_size"] == scenarios.WORLD_SIZE
     assert sharded["losses"] == single["losses"]
     assert torch.equal(sharded["biases"], single["biases"])
-    assert_same_state(sharded["state"], single["state"])
+    # transformers' load-time FSDP plan (embeddings, layers and the norm/lm_head tail as separate units) sums the
+    # AttnRes norm and pseudo-query gradients in another order; bf16 Newton-Schulz carries the last-bit differences
+    # to about 1e-4 in the weights after the 4 steps.
+    assert sharded["state"].keys() == single["state"].keys()
+    for name, tensor in single["state"].items():
+        torch.testing.assert_close(sharded["state"][name], tensor, rtol=0, atol=2e-4, msg=name)
 
 
 def test_expert_parallel_trainer_matches_single_process_up_to_summation_order(two_processes, single_process, config):
