@@ -32,6 +32,7 @@ from .data import DataError, load_corpus, tokenize_into_blocks
 from .distributed import load_full_state_dict
 from .model_card import TrainingSummary, render_model_card
 from .muon import PerHeadMuonFactory
+from .precision import PRECISION_CHOICES, warn_if_bf16_is_emulated
 from .qk_clip import QKClipCallback, check_tau
 from .quantile_balancing import QuantileBalancingCallback, find_routers
 from .release_format import checkpoint_shard_files
@@ -92,6 +93,11 @@ class ModelArguments:
         default="per_head_muon",
         metadata={"help": "per_head_muon (Muon for matrices, AdamW for the rest) or adamw (TrainingArguments.optim).",
                   "choices": OPTIMIZERS},
+    )
+    muon_ns_dtype: str = field(
+        default="auto",
+        metadata={"help": "Newton–Schulz precision of Per-Head Muon: auto (bf16 where the device multiplies bf16 "
+                          "natively, else fp32), bfloat16 or float32.", "choices": PRECISION_CHOICES},
     )
     quantile_balancing: bool = field(
         default=True,
@@ -412,7 +418,9 @@ def optimizer_and_callbacks(model_args: ModelArguments, training_args: TrainingA
     QK-Clip (inside Per-Head Muon's step, or as a callback after AdamW's), whose statistics join the logs."""
     optimizer_cls_and_kwargs = None
     if model_args.optimizer == "per_head_muon":
-        optimizer_cls_and_kwargs = PerHeadMuonFactory.from_training_args(training_args, qk_clip_tau=qk_clip_tau)
+        optimizer_cls_and_kwargs = PerHeadMuonFactory.from_training_args(
+            training_args, ns_dtype=model_args.muon_ns_dtype, qk_clip_tau=qk_clip_tau
+        )
     callbacks = []
     if qk_clip_tau is not None:
         callbacks.append(QKClipCallback(None if optimizer_cls_and_kwargs else qk_clip_tau))
@@ -566,6 +574,7 @@ def main(argv: list[str] | None = None) -> int:
         model_args, data_args, training_args = parse_args(argv)
         check_batch_sizes(training_args)
         check_world_size(training_args)
+        warn_if_bf16_is_emulated(training_args.bf16, training_args.device)
         qk_clip_tau = parse_qk_clip_tau(model_args.qk_clip_tau)
         run_folder.check_not_locked(training_args.output_dir)
         run_folder.check_writable(training_args.output_dir)

@@ -99,6 +99,10 @@ def test_output_attentions_has_one_entry_per_layer_in_layer_order(model, ids, im
 
 
 def test_static_cache_is_refused_naming_the_supported_cache(model, ids):
-    cache = StaticCache(config=model.config, max_cache_len=32)
-    with pytest.raises(ValueError, match=r"DynamicCache.*got StaticCache.*'dynamic' or 'offloaded'"):
-        model(ids, past_key_values=cache, use_cache=True)
+    refusal = r"DynamicCache.*got StaticCache.*'dynamic' or 'offloaded'"
+    for implementation in ("static", "sliding_window"):
+        with pytest.raises(ValueError, match=refusal):
+            model.generate(ids[:1], max_new_tokens=2, do_sample=False, cache_implementation=implementation)
+    with pytest.raises(ValueError, match=refusal):
+        model(ids, cache=StaticCache(config=model.config, max_cache_len=32), use_cache=True)
+    assert model.generate(ids[:1], max_new_tokens=2, do_sample=False, cache_implementation="offloaded").shape == (1, 14)
