@@ -141,11 +141,12 @@ def orthogonalize_whole(updates, patterns, dtypes, orthogonalize):
     return results
 
 
-def newton_schulz_exchange_bytes(shapes, patterns, world_size, sharded, itemsize=NS_DTYPE.itemsize):
-    """(bytes sent, bytes received) per rank and optimizer step by split Newton–Schulz, for Muon parameters of global
-    ``shapes`` with block ``patterns`` (``row_pattern`` of their groups; None = whole matrices), replicated (DDP)
-    or dim-0 sharded (FSDP2) over ``world_size`` ranks. See :mod:`kimi_k3.split_newton_schulz` for the scheme."""
-    return exchange_bytes(plan_exchange(shapes, patterns, world_size, sharded, NS_STEPS), itemsize)
+def newton_schulz_exchange_bytes(shapes, patterns, world_size, sharded, itemsize=NS_DTYPE.itemsize, ranks=None):
+    """(bytes sent, bytes received) per rank (all, or those in ``ranks``) and optimizer step by split Newton–Schulz,
+    for Muon parameters of global ``shapes`` with block ``patterns`` (``row_pattern`` of their groups; None = whole
+    matrices), replicated (DDP) or dim-0 sharded (FSDP2) over ``world_size`` ranks. See
+    :mod:`kimi_k3.split_newton_schulz` for the scheme."""
+    return exchange_bytes(plan_exchange(shapes, patterns, world_size, sharded, NS_STEPS), itemsize, ranks)
 
 
 def muon_shapes_and_patterns(param_groups):

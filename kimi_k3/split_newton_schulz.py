@@ -159,19 +159,20 @@ def _home(block: Block, row_ranges) -> int | None:
     return None
 
 
-def exchange_bytes(plan: ExchangePlan, itemsize: int) -> list[tuple[int, int]]:
-    """(bytes sent, bytes received) by every rank in one optimizer step under ``plan``, ``itemsize`` bytes per
-    Newton–Schulz element (2 for bf16, 4 for fp32); a rank's copies to itself are not counted.
+def exchange_bytes(plan: ExchangePlan, itemsize: int, ranks=None) -> list[tuple[int, int]]:
+    """(bytes sent, bytes received) by every rank (or those in ``ranks``) in one optimizer step under ``plan``,
+    ``itemsize`` bytes per Newton–Schulz element (2 for bf16, 4 for fp32); a rank's copies to itself are not counted.
 
     Replicated: a ring all-gather of shares padded to the largest, (N-1)·max share each way. Row-sharded: the
     inputs all-to-all plus the results all-to-all, which moves the same rows back.
     """
     size = plan.world_size
+    ranks = range(size) if ranks is None else ranks
     if plan.row_ranges is None:
         largest = max(_share_elements(plan, rank) for rank in range(size))
-        return [((size - 1) * largest * itemsize,) * 2 for _ in range(size)]
+        return [((size - 1) * largest * itemsize,) * 2 for _ in ranks]
     traffic = []
-    for rank in range(size):
+    for rank in ranks:
         held_elsewhere = sum(_elements(plan, piece) for other in range(size) if other != rank
                              for piece in plan.pieces(rank, other))
         owned_elsewhere = sum(_elements(plan, piece) for other in range(size) if other != rank

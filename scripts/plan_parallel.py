@@ -19,7 +19,6 @@ from configuration_kimi_k3 import KimiK3Config  # noqa: E402
 from kimi_k3.parallel_plan import (  # noqa: E402
     DTYPE_BYTES,
     GB,
-    NEWTON_SCHULZ_ROW,
     OPTIMIZERS,
     Layout,
     PlanError,
@@ -150,9 +149,9 @@ def verify(plan, sharding) -> bool:
     path = sharding or default_sharding_path(plan.layout)
     actual, sent = sharded_counts(plan.config, plan.layout, plan.setup, path)
     mismatches = plan.counts.differences(actual)
-    planned = next((row for row in plan.communication if row[0] == NEWTON_SCHULZ_ROW), (None, None, 0, 0, 0))
-    if (planned[2], planned[3]) != (len(sent.calls), sent.payload):
-        mismatches.append(f"optimizer-step collectives: plan {planned[2]} calls / {planned[3]:,} bytes vs "
+    calls, payload = plan.newton_schulz_traffic
+    if (calls, payload) != (len(sent.calls), sent.payload):
+        mismatches.append(f"optimizer-step collectives: plan {calls} calls / {payload:,} bytes vs "
                           f"{len(sent.calls)} calls / {sent.payload:,} bytes handed in by rank 0")
     what = ("shard_decoder_layers (FSDP2 per decoder layer)" if path == "accelerate"
             else "transformers' load-time sharding (DistributedConfig, base_model_ep_plan)")
