@@ -6,31 +6,17 @@ state-dict names (architecture.md §3.1). The file imports only torch, transform
 and its configuration sibling, so it can be copied into a checkpoint folder and loaded with ``trust_remote_code=True``.
 """
 
-import contextvars
 import math
-import re
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import replace
 from functools import partial
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
 from torch import nn
 from torch.autograd.function import once_differentiable
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-from transformers.core_model_loading import (
-    Concatenate,
-    ConversionOps,
-    MergeModulelist,
-    PrefixChange,
-    WeightConverter,
-)
 from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
@@ -42,8 +28,20 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 try:
+    from .checkpoint_format_kimi_k3 import (
+        STRICT_LOADING,
+        fuse_per_expert_weights,
+        load_checkpoint,
+        register_expert_layout,
+    )
     from .configuration_kimi_k3 import KimiK3Config
 except ImportError:
+    from checkpoint_format_kimi_k3 import (
+        STRICT_LOADING,
+        fuse_per_expert_weights,
+        load_checkpoint,
+        register_expert_layout,
+    )
     from configuration_kimi_k3 import KimiK3Config
 
 logger = logging.get_logger(__name__)
@@ -812,21 +810,9 @@ class KimiK3Experts(nn.Module):
         tensors missing and silently keep their initial values. A layer whose experts are only partly present
         (a shard boundary inside it) is an error, never a silent partial load.
         """
-        per_expert = [f"{prefix}{e}.{w}.weight" for w in ("w1", "w3", "w2") for e in range(self.num_experts)]
-        present = [key in state_dict for key in per_expert]
-        if all(present):
-            w1, w3, w2 = (
-                torch.stack([state_dict.pop(f"{prefix}{e}.{w}.weight") for e in range(self.num_experts)])
-                for w in ("w1", "w3", "w2")
-            )
-            state_dict[prefix + "gate_up_proj"] = torch.cat([w1, w3], dim=1)
-            state_dict[prefix + "down_proj"] = w2
-        elif any(present):
-            missing = [key for key, found in zip(per_expert, present) if not found]
-            error_msgs.append(
-                f"{prefix[:-1]}: the state dict holds only some per-expert weights (missing e.g. {missing[0]}); "
-                "load the whole checkpoint at once, e.g. with `from_pretrained`."
-            )
+        error = fuse_per_expert_weights(state_dict, prefix, self.num_experts)
+        if error is not None:
+            error_msgs.append(error)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
@@ -973,33 +959,18 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         ``strict=False`` gives transformers' own lenient behaviour: missing tensors are initialised at random and
         reported in a warning table, stored dtypes are cast.
         """
-        token = _STRICT_LOADING.set(strict)
+        token = STRICT_LOADING.set(strict)
         try:
             return super().from_pretrained(*args, **kwargs)
         finally:
-            _STRICT_LOADING.reset(token)
+            STRICT_LOADING.reset(token)
 
     @staticmethod
     def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys=None):
-        """Check the checkpoint (either layout) against the model, then read a released-layout one (architecture.md
-        §3) through the release transforms and our own layout through the stock path.
-        """
-        strict = _STRICT_LOADING.get()
-        entries = _safetensors_entries(checkpoint_files) if state_dict is None else None
-        released = entries is not None and is_released_layout(entries)
-        if strict and entries is not None:
-            verify_checkpoint_entries(model, entries)
-        if released:
-            load_config = replace(
-                load_config, weight_mapping=[*released_layout_transforms(), *(load_config.weight_mapping or [])]
-            )
-        loaded = PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys)
-        if released:
-            # The release transforms are load-only: `save_pretrained` writes our layout again (the registered mapping).
-            model._weight_conversions = None
-        if strict:
-            _refuse_incomplete_load(loaded[0])
-        return loaded
+        """Checks the checkpoint, then reads our layout or the released one (``checkpoint_format_kimi_k3``)."""
+        return load_checkpoint(
+            PreTrainedModel._load_pretrained_model, model, state_dict, checkpoint_files, load_config, expected_keys
+        )
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -1203,303 +1174,7 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
         )
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Released checkpoint layout (architecture.md §3): `language_model.` prefix, MXFP4 routed experts, zero-padded A_log
-# ---------------------------------------------------------------------------------------------------------------------
-RELEASE_TEXT_PREFIX = "language_model."
-RELEASE_MULTIMODAL_PREFIXES = ("vision_tower.", "mm_projector.")
-MXFP4_GROUP_SIZE = 32
-E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-ROUTED_EXPERT_WEIGHT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
-_MAX_REPORTED_PROBLEMS = 20
-# `from_pretrained(..., strict=False)` switches the checkpoint checks off for the duration of that call.
-_STRICT_LOADING = contextvars.ContextVar("kimi_k3_strict_loading", default=True)
-# Stored dtypes of floating-point tensors (safetensors names); integer or boolean data where the model holds floats
-# would be cast silently.
-_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
-# E8M0 scales from this byte on can decode to infinity in fp32/bf16: 6 · 2^(253 − 127) = 1.5 · 2^128; 255 is NaN.
-_FIRST_OVERFLOWING_SCALE = 253
-
-
-def _mxfp4_byte_values() -> torch.Tensor:
-    """[256, 2]: the two values a byte encodes, element 2j in the low nibble; code bit 3 is the sign."""
-    magnitudes = torch.tensor(E2M1_MAGNITUDES)
-    codes = torch.cat([magnitudes, -magnitudes])
-    byte = torch.arange(256)
-    return torch.stack([codes[byte & 0xF], codes[byte >> 4]], dim=-1)
-
-
-_MXFP4_BYTE_VALUES = _mxfp4_byte_values()
-# E8M0: 2^(s − 127), exact in fp32 down to the subnormal 2^-127; s = 255 encodes NaN.
-_E8M0_VALUES = torch.tensor([2.0 ** (s - 127) for s in range(255)] + [float("nan")])
-
-
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """MXFP4 -> dense: W[n, 32g + r] = E2M1(code) · 2^(s[n, g] − 127), exact in bf16 (architecture.md §3.3).
-
-    ``blocks`` uint8 [..., in/2] holds two codes per byte; ``scales`` uint8 [..., in/32] one E8M0 exponent per group.
-    """
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise ValueError(f"MXFP4 `blocks` and `scales` must be uint8, got {blocks.dtype} and {scales.dtype}.")
-    if blocks.shape[:-1] != scales.shape[:-1] or 2 * blocks.shape[-1] != MXFP4_GROUP_SIZE * scales.shape[-1]:
-        raise ValueError(
-            f"MXFP4 `blocks` {list(blocks.shape)} and `scales` {list(scales.shape)} disagree: for n input features "
-            f"they must be [..., n/2] and [..., n/{MXFP4_GROUP_SIZE}]."
-        )
-    values = _MXFP4_BYTE_VALUES.to(blocks.device).index_select(0, blocks.flatten().long())
-    group_scales = _E8M0_VALUES.to(blocks.device).index_select(0, scales.flatten().long())
-    dense = values.view(-1, MXFP4_GROUP_SIZE) * group_scales[:, None]
-    return dense.view(*blocks.shape[:-1], -1).to(dtype)
-
-
-class DequantizeMXFP4(ConversionOps):
-    """(weight_packed, weight_scale) source pairs -> dense expert weights, stacked over experts (architecture.md §3.3).
-
-    transformers materializes every checkpoint tensor in the target parameter's dtype before the ops run; the uint8
-    codes and exponents (integers below 256) survive that cast exactly and are cast back here.
-    """
-
-    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
-        dense = {}
-        for packed_pattern, scale_pattern in zip(source_patterns[::2], source_patterns[1::2]):
-            blocks, scales = input_dict.pop(packed_pattern), input_dict.pop(scale_pattern)
-            first = blocks[0]
-            stacked = first.new_empty((len(blocks), first.shape[0], 2 * first.shape[1]))
-            for expert, (codes, exponents) in enumerate(zip(blocks, scales)):
-                stacked[expert] = dequantize_mxfp4(codes.to(torch.uint8), exponents.to(torch.uint8), stacked.dtype)
-            dense[packed_pattern] = stacked
-        return dense
-
-
-class NarrowToHeads(ConversionOps):
-    """The released ``A_log`` is zero-padded to head_dim (architecture.md §3.2); the model keeps its [num_heads] head.
-
-    `match_checkpoint_tensors` has verified that the padded tail is zero.
-    """
-
-    def convert(self, input_dict, source_patterns, target_patterns, config=None, **kwargs):
-        (tensors,) = input_dict.values()
-        return {target_patterns[0]: tensors[0][: config.linear_attn_config["num_heads"]].clone()}
-
-
-def released_layout_transforms() -> list[WeightConverter | PrefixChange]:
-    """Load-only transforms from the released layout onto our parameters (architecture.md §3.1-3.3)."""
-    experts = r"block_sparse_moe\.experts.*."
-    return [
-        PrefixChange(prefix_to_remove=RELEASE_TEXT_PREFIX.removesuffix(".")),
-        WeightConverter(
-            source_patterns=[f"{experts}w{n}.weight_{part}" for n in (1, 3) for part in ("packed", "scale")],
-            target_patterns="block_sparse_moe.experts.gate_up_proj",
-            operations=[DequantizeMXFP4(), MergeModulelist(dim=0), Concatenate(dim=1)],
-        ),
-        WeightConverter(
-            source_patterns=[f"{experts}w2.weight_packed", f"{experts}w2.weight_scale"],
-            target_patterns="block_sparse_moe.experts.down_proj",
-            operations=[DequantizeMXFP4(), MergeModulelist(dim=0)],
-        ),
-        WeightConverter(
-            source_patterns=r"self_attn\.A_log", target_patterns="self_attn.A_log", operations=[NarrowToHeads()]
-        ),
-    ]
-
-
-class CheckpointEntry(NamedTuple):
-    path: str
-    shape: tuple[int, ...]
-    dtype: str  # safetensors name: "BF16", "F32", "U8", ...
-
-
-def read_safetensors_headers(shard_files: list[str]) -> dict[str, CheckpointEntry]:
-    """Shard, shape and dtype of every tensor of a (sharded) checkpoint, read from the headers only."""
-    entries = {}
-    for path in shard_files:
-        try:
-            with safe_open(path, framework="pt") as shard:
-                for name in shard.keys():
-                    tensor = shard.get_slice(name)
-                    entries[name] = CheckpointEntry(str(path), tuple(tensor.get_shape()), tensor.get_dtype())
-        except SafetensorError as error:
-            raise ValueError(f"Checkpoint shard {path} cannot be read (truncated or corrupted?): {error}") from error
-    return entries
-
-
-def read_checkpoint_tensor(entries: dict[str, CheckpointEntry], name: str) -> torch.Tensor:
-    with safe_open(entries[name].path, framework="pt") as shard:
-        return shard.get_tensor(name)
-
-
-def is_released_layout(names) -> bool:
-    """The release prefixes text tensors with `language_model.` and stores routed experts as MXFP4 `weight_packed`."""
-    return any(name.startswith(RELEASE_TEXT_PREFIX) or name.endswith(".weight_packed") for name in names)
-
-
-def _safetensors_entries(checkpoint_files: list[str] | None) -> dict[str, CheckpointEntry] | None:
-    if not checkpoint_files or not all(str(path).endswith(".safetensors") for path in checkpoint_files):
-        return None
-    return read_safetensors_headers(checkpoint_files)
-
-
-def verify_checkpoint_entries(model: "KimiK3PreTrainedModel", entries: dict[str, CheckpointEntry]) -> None:
-    """Refuse a checkpoint (either layout) that does not hold exactly ``model``'s tensors, naming each offender."""
-    match_checkpoint_tensors(entries, checkpoint_shapes(model, entries), partial(read_checkpoint_tensor, entries))
-
-
-def verify_checkpoint_files(model: "KimiK3PreTrainedModel", checkpoint_files: list[str]) -> None:
-    """`verify_checkpoint_entries` for safetensors shards on disk, e.g. a Trainer checkpoint about to be resumed."""
-    verify_checkpoint_entries(model, read_safetensors_headers(checkpoint_files))
-
-
-def _refuse_incomplete_load(loading_info) -> None:
-    """What the header check cannot see (an in-memory ``state_dict``, failed conversions) is refused after loading."""
-    problems = [f"missing {name}" for name in sorted(loading_info.missing_keys)]
-    problems += [f"{name}: {error.strip().splitlines()[-1]}" for name, error in loading_info.conversion_errors.items()]
-    if problems:
-        raise ValueError(_refusal(problems))
-
-
-def _refusal(problems: list[str]) -> str:
-    listed = "; ".join(problems[:_MAX_REPORTED_PROBLEMS])
-    more = len(problems) - _MAX_REPORTED_PROBLEMS
-    return (
-        f"Refusing the checkpoint: {len(problems)} text tensor(s) do not match the model: {listed}"
-        + (f"; ... and {more} more" if more > 0 else "")
-        + " (from_pretrained(..., strict=False) loads it anyway, initialising what is missing)."
-    )
-
-
-def _unfused_expert_shapes(name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
-    """Fused experts -> one checkpoint tensor per expert: gate_up_proj[e] = [w1; w3], down_proj[e] = w2."""
-    stem, _, leaf = name.rpartition(".")
-    if stem.endswith(".experts") and leaf == "gate_up_proj":
-        num_experts, gate_and_up, latent = shape
-        return {f"{stem}.{e}.w{n}.weight": (gate_and_up // 2, latent) for e in range(num_experts) for n in (1, 3)}
-    if stem.endswith(".experts") and leaf == "down_proj":
-        num_experts, latent, intermediate = shape
-        return {f"{stem}.{e}.w2.weight": (latent, intermediate) for e in range(num_experts)}
-    return {name: shape}
-
-
-def checkpoint_shapes(model: KimiK3PreTrainedModel, stored_names=()) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of our checkpoint layout for ``model``: KimiK3ForCausalLM names, per-expert w1/w3/w2
-    (fused expert tensors that ``stored_names`` holds, as ``save_pretrained(save_original_format=False)`` writes them,
-    keep their fused name)."""
-    prefix = "model." if isinstance(model, KimiK3Model) else ""
-    shapes = {}
-    for name, tensor in model.state_dict().items():
-        name, shape = prefix + name, tuple(tensor.shape)
-        shapes.update({name: shape} if name in stored_names else _unfused_expert_shapes(name, shape))
-    if model.config.tie_word_embeddings:
-        shapes.pop("lm_head.weight", None)  # stored once, as the embedding
-    else:
-        shapes.setdefault("lm_head.weight", (model.config.vocab_size, model.config.hidden_size))
-    return shapes
-
-
-def match_checkpoint_tensors(
-    entries: dict[str, CheckpointEntry],
-    expected: dict[str, tuple[int, ...]],
-    read_tensor: Callable[[str], torch.Tensor],
-) -> dict[str, tuple[str, ...]]:
-    """Match a checkpoint in either layout against ``expected`` (`checkpoint_shapes`); refuse it, naming every
-    offending tensor, unless each text tensor is present with its shape and a floating-point dtype (MXFP4 pairs:
-    uint8, with scales that decode to finite values) and nothing else is.
-
-    Returns, for each expected name, the stored tensors that hold it: itself, or (weight_packed, weight_scale).
-    An expert counts as MXFP4 exactly when its `weight_packed` exists; the release's `quantization_config.ignore`
-    list is incomplete (architecture.md §3.3). A longer 1-D `A_log` must be zero past num_heads (§3.2).
-    Vision and projector tensors are skipped, with one log line.
-    """
-    prefix = RELEASE_TEXT_PREFIX if any(name.startswith(RELEASE_TEXT_PREFIX) for name in entries) else ""
-    skipped = Counter(p for name in entries for p in RELEASE_MULTIMODAL_PREFIXES if name.startswith(p))
-    if skipped:
-        counts = ", ".join(f"{skipped[p]} {p}* tensors" for p in RELEASE_MULTIMODAL_PREFIXES if skipped[p])
-        logger.warning(f"Skipping the multimodal part of the checkpoint (the text model has no use for it): {counts}.")
-    unclaimed = {name for name in entries if not name.startswith(RELEASE_MULTIMODAL_PREFIXES)}
-    sources, problems = {}, []
-    for name, shape in expected.items():
-        key = prefix + name
-        if ROUTED_EXPERT_WEIGHT.search(name) and f"{key}_packed" in entries:
-            stored = (f"{key}_packed", f"{key}_scale")
-            problems += _mxfp4_problems(entries, stored, shape, read_tensor)
-        elif key in entries:
-            stored = (key,)
-            problems += _shape_problems(entries[key], key, shape, read_tensor)
-        else:
-            problems.append(f"missing {key} {list(shape)}")
-            continue
-        sources[name] = stored
-        unclaimed.difference_update(stored)
-    problems += [f"unexpected {name} {list(entries[name].shape)}" for name in sorted(unclaimed)]
-    if problems:
-        raise ValueError(_refusal(problems))
-    return sources
-
-
-def _mxfp4_problems(entries, stored: tuple[str, str], shape: tuple[int, ...], read_tensor) -> list[str]:
-    rows, columns = shape
-    wanted = dict(zip(stored, [(rows, columns // 2), (rows, columns // MXFP4_GROUP_SIZE)]))
-    problems = []
-    for name, want in wanted.items():
-        entry = entries.get(name)
-        if entry is None:
-            problems.append(f"missing {name} {list(want)}")
-        elif entry.shape != want or entry.dtype != "U8":
-            problems.append(f"{name}: expected U8 {list(want)}, found {entry.dtype} {list(entry.shape)}")
-    return problems or _nonfinite_scale_problems(stored, read_tensor)
-
-
-def _nonfinite_scale_problems(stored: tuple[str, str], read_tensor) -> list[str]:
-    """E8M0 byte 255 is NaN, and a byte >= 253 times a large E2M1 code overflows fp32 and bf16."""
-    packed, scale = stored
-    scales = read_tensor(scale)
-    if int(scales.max()) < _FIRST_OVERFLOWING_SCALE:
-        return []
-    dense = dequantize_mxfp4(read_tensor(packed), scales, torch.float32)
-    bad_groups = ~torch.isfinite(dense.view(*scales.shape, MXFP4_GROUP_SIZE)).all(-1)
-    if not bad_groups.any():
-        return []
-    nan_scales = int((scales == 255).sum())
-    return [
-        f"{scale}: {int(bad_groups.sum())} group(s) decode to non-finite values (E8M0 scale byte 255 = NaN in "
-        f"{nan_scales} group(s), largest byte {int(scales.max())})"
-    ]
-
-
-def _shape_problems(entry: CheckpointEntry, key: str, shape: tuple[int, ...], read_tensor) -> list[str]:
-    if entry.dtype not in _FLOAT_DTYPES:
-        return [f"{key}: stored as {entry.dtype}, expected a floating-point dtype {list(_FLOAT_DTYPES)}"]
-    if key.endswith("A_log") and len(entry.shape) == 1 and entry.shape[0] > shape[0]:
-        tail = read_tensor(key)[shape[0] :]
-        if tail.any():
-            return [
-                f"{key}: stored zero-padded to {entry.shape[0]}, but entries {shape[0]}..{entry.shape[0] - 1} are not "
-                f"zero (max |x| = {tail.abs().max().item():.4g}); the model has {shape[0]} heads"
-            ]
-        return []
-    return [] if entry.shape == shape else [f"{key}: expected shape {list(shape)}, found {list(entry.shape)}"]
-
-
-def _released_expert_layout() -> list[WeightConverter]:
-    """Released per-expert ``experts.{e}.w1/w3/w2.weight`` <-> fused 3-D ``gate_up_proj``/``down_proj``."""
-    return [
-        WeightConverter(
-            source_patterns=[r"block_sparse_moe\.experts.*.w1.weight", r"block_sparse_moe\.experts.*.w3.weight"],
-            target_patterns=r"block_sparse_moe.experts.gate_up_proj",
-            operations=[MergeModulelist(dim=0), Concatenate(dim=1)],
-        ),
-        WeightConverter(
-            source_patterns=r"block_sparse_moe\.experts.*.w2.weight",
-            target_patterns=r"block_sparse_moe.experts.down_proj",
-            operations=[MergeModulelist(dim=0)],
-        ),
-    ]
-
-
-# Registered under our own class names (never a native model type); `overwrite` because this file can be executed
-# twice in one process (installed module and a `transformers_modules` copy).
-for _class_name in ("KimiK3ForCausalLM", "KimiK3Model"):
-    register_checkpoint_conversion_mapping(_class_name, _released_expert_layout(), overwrite=True)
-
+register_expert_layout("KimiK3ForCausalLM", "KimiK3Model")
 KimiK3Model.register_for_auto_class("AutoModel")
 KimiK3ForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.adamw import adamw
 
+from checkpoint_format_kimi_k3 import EXPERT_LAYOUT, expert_block_rows
 from kimi_k3.qk_clip import QKClip
 from kimi_k3.split_newton_schulz import (
     ExchangePlan,
@@ -351,12 +352,10 @@ def build_param_groups(model, weight_decay=0.1, adamw_lr=None, split_kv=True):
             f"{type(model).__name__} with model_type={getattr(config, 'model_type', None)!r}."
         )
     head_rows = _head_rows_by_layer_type(config, split_kv)
-    expert_rows = {"gate_up_proj": config.moe_intermediate_size,
-                   "down_proj": config.routed_expert_hidden_size or config.hidden_size}
     by_tag, tagged_layer_types = defaultdict(list), set()
     for name, p in model.named_parameters():
         if p.requires_grad:
-            tag, layer_type = _group_tag(name, p, config, head_rows, expert_rows)
+            tag, layer_type = _group_tag(name, p, config, head_rows)
             by_tag[tag].append(p)
             tagged_layer_types.add(layer_type)
     _require_head_blocks(head_rows, set(config.layer_types) - tagged_layer_types)
@@ -377,7 +376,7 @@ def _head_rows_by_layer_type(config, split_kv):
     }
 
 
-def _group_tag(name, p, config, head_rows, expert_rows):
+def _group_tag(name, p, config, head_rows):
     """(hashable group keys, layer type whose head rows tag the parameter or None) of one named parameter."""
     if p.ndim < 2:
         return (("use_muon", False), ("weight_decay", 0.0)), None
@@ -390,8 +389,8 @@ def _group_tag(name, p, config, head_rows, expert_rows):
         if rows is not None:
             return (("use_muon", True), ("head_rows", rows)), layer_type
     module, weight = name.rsplit(".", 2)[-2:]
-    if p.ndim == 3 and module == "experts" and weight in expert_rows:
-        return (("use_muon", True), ("expert_rows", expert_rows[weight])), None
+    if p.ndim == 3 and module == "experts" and weight in EXPERT_LAYOUT:
+        return (("use_muon", True), ("expert_rows", expert_block_rows(weight, tuple(p.shape)))), None
     return (("use_muon", p.ndim == 2),), None
 
 

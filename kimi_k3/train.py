@@ -22,8 +22,9 @@ from safetensors import safe_open
 from transformers import HfArgumentParser, Trainer, TrainerState, TrainingArguments, default_data_collator, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 
+from checkpoint_format_kimi_k3 import verify_checkpoint_files
 from configuration_kimi_k3 import KimiK3Config
-from modeling_kimi_k3 import KimiK3ForCausalLM, verify_checkpoint_files
+from modeling_kimi_k3 import KimiK3ForCausalLM
 
 from . import hub, run_folder
 from .balance_metrics import load_balance_metrics

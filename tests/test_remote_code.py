@@ -12,13 +12,15 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 import modeling_kimi_k3
+from kimi_k3.release_format import export_released
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from tests.conftest import tiny_config
+from tests.test_release_format import MXFP4_SHAPES, mxfp4_representable_
 
 LOAD_IN_FRESH_PROCESS = textwrap.dedent(
     """
     import sys
-    for name in ("modeling_kimi_k3", "configuration_kimi_k3", "kimi_k3"):
+    for name in ("modeling_kimi_k3", "configuration_kimi_k3", "checkpoint_format_kimi_k3", "kimi_k3"):
         sys.modules[name] = None  # any import of the installed project now fails
     import torch
     from safetensors.torch import load_file
@@ -40,10 +42,8 @@ LOAD_IN_FRESH_PROCESS = textwrap.dedent(
 )
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("k3-tiny")
-    model = KimiK3ForCausalLM(tiny_config()).eval()
+def save_with_expected_outputs(model: KimiK3ForCausalLM, folder) -> None:
+    """``model.save_pretrained(folder)`` and, beside the folder, the logits and greedy generation it must reproduce."""
     model.save_pretrained(folder)
     ids = torch.randint(3, 97, (2, 9))
     with torch.no_grad():
@@ -53,12 +53,30 @@ def saved(tmp_path_factory):
             "generated": model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0),
         }
     save_file(expected, str(folder.parent / "expected.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("k3-tiny") / "model"
+    save_with_expected_outputs(KimiK3ForCausalLM(tiny_config()).eval(), folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory):
+    """A released-layout folder (wrapper config, `language_model.` names, MXFP4 experts) with our code beside it."""
+    root = tmp_path_factory.mktemp("k3-released")
+    model = mxfp4_representable_(KimiK3ForCausalLM(tiny_config(**MXFP4_SHAPES))).eval()  # exported losslessly
+    save_with_expected_outputs(model, root / "ours")
+    folder = root / "model"
+    export_released(root / "ours", folder, progress=False)  # writes our code and auto_map beside the weights
     return folder
 
 
 def test_saved_folder_holds_code_config_weights_and_auto_map(saved):
     files = sorted(os.listdir(saved))
     assert files == [
+        "checkpoint_format_kimi_k3.py",
         "config.json",
         "configuration_kimi_k3.py",
         "generation_config.json",
@@ -75,7 +93,9 @@ def test_saved_folder_holds_code_config_weights_and_auto_map(saved):
     assert (saved / "modeling_kimi_k3.py").read_text() == open(modeling_kimi_k3.__file__).read()
 
 
-def test_fresh_process_without_the_package_reproduces_logits(saved, tmp_path):
+@pytest.mark.parametrize("layout", ["saved", "released"])
+def test_fresh_process_without_the_package_reproduces_logits(layout, request, tmp_path):
+    saved = request.getfixturevalue(layout)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
     env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
     result = subprocess.run(
