@@ -46,6 +46,19 @@ except ImportError:
 
 logger = logging.get_logger(__name__)
 
+# transformers 5.24 renamed the cache argument and output field `past_key_values` to `cache`. Remote code runs under
+# whatever version the user has, so the model returns the cache under the running version's field name and accepts
+# it under either argument name, as transformers' own models do with `deprecate_kwarg`, but without a warning.
+CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def take_cache_argument(cache: Cache | None, kwargs: dict) -> Cache | None:
+    """The cache passed as `cache` (transformers >= 5.24) or as `past_key_values` (earlier versions), popped from kwargs."""
+    legacy = kwargs.pop("past_key_values", None)
+    if cache is not None and legacy is not None:
+        raise ValueError("Pass the cache once, as `cache` or as `past_key_values`, not both.")
+    return legacy if cache is None else cache
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Norms and activations (architecture.md §2.0, §2.5)
@@ -455,7 +468,7 @@ class KimiK3DeltaAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
         batch_size, seq_len, _ = hidden_states.shape
@@ -463,11 +476,11 @@ class KimiK3DeltaAttention(nn.Module):
             # Padding must not reach the short convolutions of real tokens (architecture.md §2.3 step 9).
             hidden_states = hidden_states * attention_mask[..., None].to(hidden_states.dtype)
         head_shape = (batch_size, seq_len, self.num_heads, self.head_dim)
-        previous_state = past_key_values.get_recurrent_state(self.layer_idx) if past_key_values is not None else None
+        previous_state = cache.get_recurrent_state(self.layer_idx) if cache is not None else None
 
-        q = self._causal_conv(self.q_proj(hidden_states), self.q_conv1d, past_key_values, 0).reshape(head_shape)
-        k = self._causal_conv(self.k_proj(hidden_states), self.k_conv1d, past_key_values, 1).reshape(head_shape)
-        v = self._causal_conv(self.v_proj(hidden_states), self.v_conv1d, past_key_values, 2).reshape(head_shape)
+        q = self._causal_conv(self.q_proj(hidden_states), self.q_conv1d, cache, 0).reshape(head_shape)
+        k = self._causal_conv(self.k_proj(hidden_states), self.k_conv1d, cache, 1).reshape(head_shape)
+        v = self._causal_conv(self.v_proj(hidden_states), self.v_conv1d, cache, 2).reshape(head_shape)
         g = kda_decay_gate(self.f_b_proj(self.f_a_proj(hidden_states)), self.A_log, self.dt_bias, self.gate_lower_bound)
         beta = torch.sigmoid(upcast(self.b_proj(hidden_states)))
         if attention_mask is not None:
@@ -483,8 +496,8 @@ class KimiK3DeltaAttention(nn.Module):
         else:
             kernel = partial(chunk_kda, gate_lower_bound=self.gate_lower_bound)
         core, final_state = kernel(q, k, upcast(v), g, beta, initial_state=previous_state)
-        if past_key_values is not None:
-            past_key_values.update_recurrent_state(final_state, self.layer_idx)
+        if cache is not None:
+            cache.update_recurrent_state(final_state, self.layer_idx)
 
         gate = self.g_proj(hidden_states).reshape(head_shape)
         output = self.o_norm(core, gate).reshape(batch_size, seq_len, -1)
@@ -589,15 +602,15 @@ class KimiK3MLAAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         token_mask: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch_size, seq_len, _ = hidden_states.shape
         queries = self.project_queries(hidden_states)
         latent, shared_key = self.compress_key_values(hidden_states)
-        if past_key_values is not None:
-            latent, shared_key = past_key_values.update(latent, shared_key, self.layer_idx)
+        if cache is not None:
+            latent, shared_key = cache.update(latent, shared_key, self.layer_idx)
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
@@ -903,13 +916,13 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         blocks: list[torch.Tensor],
         attention_mask: torch.Tensor | None = None,
         token_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         if self.attn_res_block_size is None:
             # Plain pre-norm residual stream (no AttnRes); `partial` is then the hidden state.
             mixed, _ = self.self_attn(
-                self.input_layernorm(partial), attention_mask, past_key_values=past_key_values, token_mask=token_mask, **kwargs
+                self.input_layernorm(partial), attention_mask, cache=cache, token_mask=token_mask, **kwargs
             )
             hidden_states = partial + mixed
             return hidden_states + self.feed_forward(hidden_states, token_mask), blocks
@@ -923,7 +936,7 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         if starts_block:
             blocks = [*blocks, partial]
         mixed, _ = self.self_attn(
-            self.input_layernorm(mixer_input), attention_mask, past_key_values=past_key_values, token_mask=token_mask, **kwargs
+            self.input_layernorm(mixer_input), attention_mask, cache=cache, token_mask=token_mask, **kwargs
         )
         partial = mixed if starts_block else partial + mixed
         ffn_input = block_attention_residual(partial, blocks, self.mlp_res_proj, self.mlp_res_norm)
@@ -936,7 +949,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["KimiK3DecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = [CACHE_FIELD]
     _supports_sdpa = True
     _supports_flash_attn = False
     _is_stateful = True
@@ -1027,11 +1040,12 @@ class KimiK3Model(KimiK3PreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
         **kwargs,
     ) -> MoeModelOutputWithPast:
+        cache = take_cache_argument(cache, kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
         if inputs_embeds is None:
@@ -1042,25 +1056,20 @@ class KimiK3Model(KimiK3PreTrainedModel):
                 f"`inputs_embeds` must have shape [batch, seq_len, {self.config.hidden_size}], "
                 f"got {tuple(inputs_embeds.shape)}."
             )
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-        self._check_lengths(inputs_embeds, attention_mask, past_key_values, past_length)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        past_length = cache.get_seq_length() if cache is not None else 0
+        self._check_lengths(inputs_embeds, attention_mask, cache, past_length)
         if position_ids is None:
             position_ids = torch.arange(
                 past_length, past_length + inputs_embeds.shape[1], device=inputs_embeds.device
             ).unsqueeze(0)
 
-        mask_kwargs = {
-            "config": self.config,
-            "inputs_embeds": inputs_embeds,
-            "attention_mask": attention_mask,
-            "past_key_values": past_key_values,
-            "position_ids": position_ids,
-        }
+        # Positional: the cache parameter of the mask builders is named differently across transformers versions.
+        mask_args = (self.config, inputs_embeds, attention_mask, cache)
         masks = {
-            "full_attention": create_causal_mask(**mask_kwargs),
-            "linear_attention": create_recurrent_attention_mask(**mask_kwargs),
+            "full_attention": create_causal_mask(*mask_args, position_ids=position_ids),
+            "linear_attention": create_recurrent_attention_mask(*mask_args, position_ids=position_ids),
         }
         token_mask = None
         if attention_mask is not None and attention_mask.ndim == 2:
@@ -1073,13 +1082,13 @@ class KimiK3Model(KimiK3PreTrainedModel):
                 blocks,
                 attention_mask=masks[decoder_layer.layer_type],
                 token_mask=token_mask,
-                past_key_values=past_key_values,
+                cache=cache,
                 **kwargs,
             )
         hidden_states = partial
         if self.output_attn_res_proj is not None:
             hidden_states = block_attention_residual(partial, blocks, self.output_attn_res_proj, self.output_attn_res_norm)
-        return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+        return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **{CACHE_FIELD: cache})
 
     def _check_input_ids(self, input_ids: torch.Tensor) -> None:
         if input_ids.ndim != 2 or input_ids.dtype not in (torch.int32, torch.int64):
@@ -1096,7 +1105,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
                 f"got values in [{int(input_ids.min())}, {int(input_ids.max())}]."
             )
 
-    def _check_lengths(self, inputs_embeds, attention_mask, past_key_values, past_length) -> None:
+    def _check_lengths(self, inputs_embeds, attention_mask, cache, past_length) -> None:
         batch_size, seq_len = inputs_embeds.shape[:2]
         if past_length + seq_len > self.config.max_position_embeddings:
             raise ValueError(
@@ -1109,10 +1118,10 @@ class KimiK3Model(KimiK3PreTrainedModel):
                     f"`attention_mask` must have shape [batch={batch_size}, cached+new={past_length + seq_len}], "
                     f"got {tuple(attention_mask.shape)}."
                 )
-        cached_batch = _cache_batch_size(past_key_values)
+        cached_batch = _cache_batch_size(cache)
         if cached_batch is not None and cached_batch != batch_size:
             raise ValueError(
-                f"`past_key_values` holds a batch of {cached_batch} sequences but the input has {batch_size}; "
+                f"The cache holds a batch of {cached_batch} sequences but the input has {batch_size}; "
                 "pass the cache returned for this batch (or `reorder_cache` it)."
             )
 
@@ -1143,7 +1152,7 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -1154,7 +1163,7 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=take_cache_argument(cache, kwargs),
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
@@ -1167,10 +1176,10 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
         return MoeCausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             router_logits=outputs.router_logits,
+            **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
         )
 
 

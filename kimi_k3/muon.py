@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.adamw import adamw
 
 from checkpoint_format_kimi_k3 import EXPERT_LAYOUT, expert_block_rows
+from kimi_k3.precision import matmul_dtype
 from kimi_k3.qk_clip import QKClip
 from kimi_k3.split_newton_schulz import (
     ExchangePlan,
@@ -44,7 +45,6 @@ from kimi_k3.split_newton_schulz import (
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 NS_EPS = 1e-7
-NS_DTYPE = torch.bfloat16
 # Moonlight update-RMS matching: 0.2·sqrt(max(rows, cols)) gives an AdamW-like update RMS of ~0.2 (training.md §2.2).
 MATCH_RMS_ADAMW = 0.2
 
@@ -53,13 +53,15 @@ _MLA_QUERY_PROJS = ("q_b_proj", "q_proj")
 _LAYER_PARAM = re.compile(r"layers\.(\d+)\.self_attn\.(\w+)\.weight$")
 
 
-def zeropower_via_newton_schulz5(blocks, coefficients=NS_COEFFICIENTS, steps=NS_STEPS, eps=NS_EPS):
-    """Approximate polar factor U·S'·Vᵀ (S' ≈ 1) of every matrix in ``blocks`` [n, rows, cols], in bf16.
+def zeropower_via_newton_schulz5(blocks, coefficients=NS_COEFFICIENTS, steps=NS_STEPS, eps=NS_EPS,
+                                 dtype=torch.bfloat16):
+    """Approximate polar factor U·S'·Vᵀ (S' ≈ 1) of every matrix in ``blocks`` [n, rows, cols], computed in ``dtype``.
 
-    Each matrix is Frobenius-normalized on its own, which is what decouples the heads (training.md §2.3).
+    Each matrix is Frobenius-normalized on its own, which is what decouples the heads (training.md §2.3). NS5 only
+    needs S' near 1, so bf16 suffices where it is fast; fp32 gives the same update to bf16 tolerance.
     """
     a, b, c = coefficients
-    x = blocks.bfloat16()
+    x = blocks.to(dtype)
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
@@ -119,7 +121,7 @@ def orthogonalize_by_shape(stacks, dtype=torch.bfloat16):
     outputs = [None] * len(stacks)
     for indices in by_shape.values():
         batch = torch.cat([stacks[i].to(dtype) for i in indices])  # cast first: bf16 halves the bytes to copy
-        pieces = zeropower_via_newton_schulz5(batch).split([stacks[i].shape[0] for i in indices])
+        pieces = zeropower_via_newton_schulz5(batch, dtype=dtype).split([stacks[i].shape[0] for i in indices])
         for index, piece in zip(indices, pieces):
             outputs[index] = piece
     return outputs
@@ -142,11 +144,12 @@ def orthogonalize_whole(updates, patterns, dtypes, orthogonalize):
     return results
 
 
-def newton_schulz_exchange_bytes(shapes, patterns, world_size, sharded, itemsize=NS_DTYPE.itemsize, ranks=None):
+def newton_schulz_exchange_bytes(shapes, patterns, world_size, sharded, itemsize=torch.bfloat16.itemsize, ranks=None):
     """(bytes sent, bytes received) per rank (all, or those in ``ranks``) and optimizer step by split Newton–Schulz,
     for Muon parameters of global ``shapes`` with block ``patterns`` (``row_pattern`` of their groups; None = whole
     matrices), replicated (DDP) or dim-0 sharded (FSDP2) over ``world_size`` ranks. See
-    :mod:`kimi_k3.split_newton_schulz` for the scheme."""
+    :mod:`kimi_k3.split_newton_schulz` for the scheme. ``itemsize`` is that of the optimizer's ``ns_dtype``: bf16 (2)
+    by default, fp32 (4) where bf16 is emulated."""
     return exchange_bytes(plan_exchange(shapes, patterns, world_size, sharded, NS_STEPS), itemsize, ranks)
 
 
@@ -171,6 +174,10 @@ class PerHeadMuon(torch.optim.Optimizer):
     makes it work in any training loop and fire exactly once per optimizer step. Parameters may be FSDP2 ``DTensor``
     shards (from ``accelerate``'s FSDP2 plugin or transformers' load-time sharding); the update is the same.
 
+    ``ns_dtype`` is the Newton–Schulz precision: ``"auto"`` (default) runs bf16 where the parameters' device
+    multiplies bf16 natively (CUDA, CPUs with AVX-512-BF16 or AMX) and fp32 elsewhere, where emulated bf16 would
+    be 15-100x slower; ``"bfloat16"`` or ``"float32"`` force one.
+
     Under an initialised process group of several ranks Newton–Schulz is split across the ranks
     (:mod:`kimi_k3.split_newton_schulz`), with plain parameters taken as replicated, as DDP keeps them;
     ``split_newton_schulz=False`` makes every rank orthogonalise every block instead (e.g. for parameters that
@@ -178,7 +185,7 @@ class PerHeadMuon(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, betas=(0.9, 0.95),
-                 eps=1e-8, qk_clip=None, split_newton_schulz=True):
+                 eps=1e-8, qk_clip=None, ns_dtype="auto", split_newton_schulz=True):
         if lr < 0:
             raise ValueError(f"`lr` must be >= 0, got {lr}.")
         if weight_decay < 0:
@@ -189,8 +196,9 @@ class PerHeadMuon(torch.optim.Optimizer):
                         use_muon=True, head_rows=None, expert_rows=None)
         super().__init__(params, defaults)
         self.qk_clip = qk_clip
+        first_param = next(p for group in self.param_groups for p in group["params"])
+        self.ns_dtype = matmul_dtype(ns_dtype, first_param.device)
         self.split_newton_schulz = split_newton_schulz
-        self.ns_dtype = NS_DTYPE
         self._plans: dict[tuple, ExchangePlan] = {}
 
     def add_param_group(self, param_group):
@@ -199,7 +207,8 @@ class PerHeadMuon(torch.optim.Optimizer):
 
     @classmethod
     def for_model(cls, model, lr=1e-3, weight_decay=0.1, adamw_lr=None, adamw_betas=(0.9, 0.95), adamw_eps=1e-8,
-                  momentum=0.95, nesterov=True, split_kv=True, qk_clip_tau=None, split_newton_schulz=True):
+                  momentum=0.95, nesterov=True, split_kv=True, qk_clip_tau=None, ns_dtype="auto",
+                  split_newton_schulz=True):
         """Build the optimizer for a Kimi K3 model with the parameter split of training.md §2.4.
 
         ``adamw_lr`` defaults to ``lr``: Moonlight RMS matching makes one lr fit both halves. ``split_kv=True``
@@ -211,7 +220,8 @@ class PerHeadMuon(torch.optim.Optimizer):
         groups = build_param_groups(model, weight_decay=weight_decay, adamw_lr=adamw_lr, split_kv=split_kv)
         qk_clip = None if qk_clip_tau is None else QKClip(model, qk_clip_tau)
         return cls(groups, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                   betas=adamw_betas, eps=adamw_eps, qk_clip=qk_clip, split_newton_schulz=split_newton_schulz)
+                   betas=adamw_betas, eps=adamw_eps, qk_clip=qk_clip, ns_dtype=ns_dtype,
+                   split_newton_schulz=split_newton_schulz)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -21,7 +21,7 @@ import contextlib
 import math
 from dataclasses import dataclass, field, replace
 
-from kimi_k3.muon import _LAYER_PARAM, NS_DTYPE, _head_rows_by_layer_type, newton_schulz_exchange_bytes
+from kimi_k3.muon import _LAYER_PARAM, _head_rows_by_layer_type, newton_schulz_exchange_bytes
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZERS = ("muon", "adamw")
@@ -261,6 +261,7 @@ class Setup:
     compute_dtype: str = "bf16"
     grad_dtype: str = "fp32"
     optimizer_dtype: str = "fp32"
+    ns_dtype: str = "bf16"  # PerHeadMuon's Newton–Schulz precision ("auto" picks bf16 on GPUs)
     optimizer: str = "muon"
     lora_rank: int = 0
     qat: bool = False
@@ -294,9 +295,11 @@ def validate(config, layout: Layout, setup: Setup, specs: list[ParamSpec] | None
         if config.num_experts % layout.ep:
             raise PlanError(f"`ep` ({layout.ep}) must divide the {config.num_experts} experts (num_experts); "
                             f"sizes that divide both it and fsdp: {common_divisors(config.num_experts, layout.fsdp)}.")
-    for name in ("param_dtype", "compute_dtype", "grad_dtype", "optimizer_dtype"):
+    for name in ("param_dtype", "compute_dtype", "grad_dtype", "optimizer_dtype", "ns_dtype"):
         if getattr(setup, name) not in DTYPE_BYTES:
             raise PlanError(f"`{name}` must be one of {tuple(DTYPE_BYTES)}, got {getattr(setup, name)!r}.")
+    if setup.ns_dtype not in ("bf16", "fp32"):
+        raise PlanError(f"`ns_dtype` must be one of ('bf16', 'fp32') (PerHeadMuon's choices), got {setup.ns_dtype!r}.")
     if setup.optimizer not in OPTIMIZERS:
         raise PlanError(f"`optimizer` must be one of {OPTIMIZERS}, got {setup.optimizer!r}.")
     if setup.lora_rank < 0:
@@ -433,7 +436,7 @@ def make_plan(config, layout: Layout, setup: Setup, specs: list[ParamSpec] | Non
     validate(config, layout, setup, specs)
     counts = element_counts(config, layout, setup, specs)
     plan = Plan(config, layout, setup, counts)
-    b = {name: DTYPE_BYTES[getattr(setup, f"{name}_dtype")] for name in ("param", "compute", "grad", "optimizer")}
+    b = {name: DTYPE_BYTES[getattr(setup, f"{name}_dtype")] for name in ("param", "compute", "grad", "optimizer", "ns")}
     buffers = buffer_specs(config)
     plan.memory = {
         "parameters": counts.parameters * b["param"],
@@ -502,12 +505,12 @@ def newton_schulz_workspace(specs, layout, setup, b) -> float:
     next iterate (5 bf16 copies). Expert updates under expert parallelism (2-D mesh) are gathered whole first, in the
     gradient dtype, and batched in bf16 by shape."""
     split, whole = muon_split_and_whole(specs, layout, setup)
-    local = sum(local_numel(s, layout) for s in split + whole) * (b["grad"] + NS_DTYPE.itemsize)
-    owned_share = 5 * sum(s.numel for s in split) / layout.fsdp * NS_DTYPE.itemsize
+    local = sum(local_numel(s, layout) for s in split + whole) * (b["grad"] + b["ns"])
+    owned_share = 5 * sum(s.numel for s in split) / layout.fsdp * b["ns"]
     by_shape = {}
     for s in whole:
         by_shape[s.shape[-2:]] = by_shape.get(s.shape[-2:], 0) + s.numel
-    gathered = sum(s.numel for s in whole) * b["grad"] + max(by_shape.values(), default=0) * NS_DTYPE.itemsize
+    gathered = sum(s.numel for s in whole) * b["grad"] + max(by_shape.values(), default=0) * b["ns"]
     return local + owned_share + gathered
 
 
@@ -631,13 +634,13 @@ def quantile_balancing_payload(config) -> int:
 def newton_schulz_communication(specs, layout: Layout, setup: Setup, b) -> list[tuple]:
     """PerHeadMuon splits Newton–Schulz of dim-0 shards on the 1-D fsdp mesh across the ranks: two all-to-alls of
     the rows of blocks cut by shard boundaries (``kimi_k3.muon.newton_schulz_exchange_bytes``, rank 0's share, in
-    bf16). Expert tensors under expert parallelism (2-D mesh) are gathered whole, first over the efsdp ranks holding
+    the Newton–Schulz dtype). Expert tensors under expert parallelism (2-D mesh) are gathered whole, first over the efsdp ranks holding
     the same experts (when there are several), then over the ep ranks, in the gradient dtype."""
     split, whole = muon_split_and_whole(specs, layout, setup)
     rows = []
     if split and layout.fsdp > 1:
         sent, _ = newton_schulz_exchange_bytes([s.shape for s in split], [s.block_pattern for s in split], layout.fsdp,
-                                               sharded=True, ranks=[0])[0]
+                                               sharded=True, itemsize=b["ns"], ranks=[0])[0]
         rows.append((NEWTON_SCHULZ_ROWS[0], layout.fsdp, 2, sent, sent))
     calls, payload, sent = 0, 0, 0
     for spec in whole:

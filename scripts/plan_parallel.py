@@ -51,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     run.add_argument("--no-gradient-checkpointing", action="store_true")
     for name, default in (("param", "fp32"), ("compute", "bf16"), ("grad", "fp32"), ("optimizer", "fp32")):
         run.add_argument(f"--{name}-dtype", default=default, choices=tuple(DTYPE_BYTES))
+    run.add_argument("--ns-dtype", default="bf16", choices=("bf16", "fp32"), help="Per-Head Muon's Newton–Schulz "
+                                                                                 "precision (bf16 on GPUs)")
     run.add_argument("--optimizer", default="muon", choices=OPTIMIZERS)
     run.add_argument("--lora-rank", type=int, default=0, help="0: full fine-tuning")
     run.add_argument("--qat", action="store_true", help="MXFP4 quantization-aware training of the experts")
@@ -83,6 +85,7 @@ def setup_from(args) -> Setup:
     return Setup(micro_batch=args.micro_batch, sequence_length=args.seq_len, gradient_accumulation=args.grad_accum,
                  gradient_checkpointing=not args.no_gradient_checkpointing, param_dtype=args.param_dtype,
                  compute_dtype=args.compute_dtype, grad_dtype=args.grad_dtype, optimizer_dtype=args.optimizer_dtype,
+                 ns_dtype=args.ns_dtype,
                  optimizer=args.optimizer, lora_rank=args.lora_rank, qat=args.qat, qk_clip=not args.no_qk_clip,
                  gpu_memory_gb=args.gpu_memory_gb, reserved_gb=args.reserved_gb)
 

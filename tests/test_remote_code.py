@@ -20,8 +20,11 @@ from tests.test_release_format import MXFP4_SHAPES, mxfp4_representable_
 LOAD_IN_FRESH_PROCESS = textwrap.dedent(
     """
     import sys
+    import warnings
     for name in ("modeling_kimi_k3", "configuration_kimi_k3", "checkpoint_format_kimi_k3", "kimi_k3"):
         sys.modules[name] = None  # any import of the installed project now fails
+    for category in (FutureWarning, DeprecationWarning):  # deprecations raised from the model files are errors
+        warnings.filterwarnings("error", category=category, module=r"transformers_modules\\.")
     import torch
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
@@ -37,6 +40,11 @@ LOAD_IN_FRESH_PROCESS = textwrap.dedent(
     assert torch.equal(logits, expected["logits"]), (logits - expected["logits"]).abs().max()
     generated = model.generate(expected["input_ids"], max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(generated, expected["generated"])
+    greedy = expected["input_ids"]  # the same six tokens by repeated full forwards, without any cache
+    with torch.no_grad():
+        for _ in range(6):
+            greedy = torch.cat([greedy, model(greedy, use_cache=False).logits[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(generated, greedy), (generated, greedy)
     print("ok")
     """
 )
@@ -122,3 +130,27 @@ def test_registered_auto_classes_load_without_remote_code(saved):
     model = AutoModelForCausalLM.from_pretrained(saved)
     assert type(model) is KimiK3ForCausalLM
     assert type(AutoModel.from_config(config)).__name__ == "KimiK3Model"
+
+
+VERSION_PROBE = textwrap.dedent(
+    """
+    import importlib.metadata
+    import sys
+    import transformers.modeling_utils
+    installed = importlib.metadata.version
+    importlib.metadata.version = lambda name: sys.argv[1] if name == "transformers" else installed(name)
+    import configuration_kimi_k3, modeling_kimi_k3  # warn, once
+    try:
+        import kimi_k3
+    except ImportError as error:
+        print(f"ImportError: {error}")
+    """
+)
+
+
+@pytest.mark.parametrize("version", ["5.22.2", "5.25.0"])
+def test_unsupported_transformers_refuses_the_package_and_warns_once_for_the_model_files(version):
+    result = subprocess.run([sys.executable, "-c", VERSION_PROBE, version], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"ImportError: kimi_k3 supports transformers >=5.23,<5.25, but {version} is installed" in result.stdout
+    assert result.stderr.count(f"tested with transformers >=5.23,<5.25, but {version} is installed") == 1
