@@ -640,7 +640,7 @@ def newton_schulz_communication(specs, layout: Layout, setup: Setup, b) -> list[
     rows = []
     if split and layout.fsdp > 1:
         sent, _ = newton_schulz_exchange_bytes([s.shape for s in split], [s.block_pattern for s in split], layout.fsdp,
-                                               sharded=True, itemsize=b["ns"], ranks=[0])[0]
+                                               sharded=True, itemsize=b["ns"])[0]
         rows.append((NEWTON_SCHULZ_ROWS[0], layout.fsdp, 2, sent, sent))
     calls, payload, sent = 0, 0, 0
     for spec in whole:

@@ -95,6 +95,14 @@ def test_muon_layout_limit_is_refused_where_per_head_muon_fails(config):
             PerHeadMuon.for_model(model).step()
 
 
+def test_split_newton_schulz_runs_muon_on_matrices_with_fewer_rows_than_ranks(config):
+    """b_proj has 4 rows, sharded over 5 ranks: split Newton–Schulz adds each rank's rows to its shard in place."""
+    plan = make_plan(config, Layout(5, 5), Setup())
+    actual, sent = sharded_counts(config, Layout(5, 5), Setup(), "accelerate")
+    assert actual == plan.counts
+    assert plan.newton_schulz_traffic == (len(sent.calls), sent.payload) and sent.payload > 0
+
+
 def test_search_finds_the_smallest_world_size_that_fits(config):
     setup = Setup(optimizer="adamw", sequence_length=256, gpu_memory_gb=0.4, reserved_gb=0.0)
     plan, _ = search(config, setup, max_world_size=16, step=1)
