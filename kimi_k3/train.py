@@ -28,10 +28,13 @@ from .data import load_corpus, tokenize_into_blocks
 from .distributed import load_full_state_dict
 from .model_card import TrainingSummary, render_model_card
 from .muon import PerHeadMuonFactory
+from .qat import ACTIVATION_FORMATS, WEIGHT_FORMATS, attach_qat, check_mxfp4_widths, find_routed_experts
 from .quantile_balancing import QuantileBalancingCallback, find_routers
+from .release_format import export_released
 from .tokenizer import check_tokenizer_fits, load_tokenizer, train_bpe_tokenizer
 
 OPTIMIZERS = ("per_head_muon", "adamw")
+FINAL_LAYOUTS = ("ours", "released")
 FINAL_MODEL_DIR = "model"
 # TrainingArguments defaults of this script (any of them can still be given on the command line): about 150 steps
 # of 8 x 128 tokens, a few minutes on 2 CPU cores.
@@ -86,6 +89,23 @@ class ModelArguments:
     quantile_balancing: bool = field(
         default=True,
         metadata={"help": "Update the router bias with Quantile Balancing; --no_quantile_balancing only logs loads."},
+    )
+    qat: str | None = field(
+        default=None,
+        metadata={"help": "Quantization-aware training: routed experts' weights fake-quantized to this format in every "
+                          "forward, straight-through gradients to the fp32 master weights.",
+                  "choices": WEIGHT_FORMATS},
+    )
+    qat_activations: str = field(
+        default="none",
+        metadata={"help": "With --qat, also fake-quantize the experts' input activations (mxfp8: E4M3, per-32 scales).",
+                  "choices": ACTIVATION_FORMATS},
+    )
+    final_layout: str = field(
+        default="ours",
+        metadata={"help": "Layout of the final model/ folder: ours (save_pretrained, fp32 master weights) or released "
+                          "(MXFP4 experts, what a --qat run evaluated).",
+                  "choices": FINAL_LAYOUTS},
     )
 
 
@@ -292,6 +312,18 @@ def build_model(model_args: ModelArguments, tokenizer, checkpoint: str | None) -
     return model
 
 
+def attach_expert_qat(model_args: ModelArguments, model: KimiK3ForCausalLM) -> None:
+    """Fake-quantize the routed experts in every forward when --qat is given (kimi_k3.qat); checked before training,
+    as is a released final layout, which needs MXFP4-groupable expert widths."""
+    if model_args.final_layout == "released":
+        check_mxfp4_widths(find_routed_experts(model), "--final_layout released")
+    if model_args.qat is None:
+        if model_args.qat_activations != "none":
+            raise UsageError(f"--qat_activations {model_args.qat_activations} needs --qat {WEIGHT_FORMATS[0]}")
+        return
+    attach_qat(model, model_args.qat, model_args.qat_activations)
+
+
 def optimizer_and_callbacks(model_args: ModelArguments, training_args: TrainingArguments, model):
     """Per-Head Muon through Trainer's optimizer-factory hook (or Trainer's own AdamW), and the balancing callback."""
     optimizer_cls_and_kwargs = None
@@ -374,18 +406,27 @@ def training_summary(trainer, model_args, data_description, blocks, block_size, 
     )
 
 
-def save_final_model(model, tokenizer, card, target: Path) -> Path:
-    """Model, code, tokenizer and card written to a sibling staging folder, then swapped in (see replace_folder)."""
+def save_final_model(model, tokenizer, card, target: Path, layout: str = "ours") -> Path:
+    """Model, code, tokenizer and card written to a sibling staging folder, then swapped in (see replace_folder).
+
+    ``layout="released"`` converts the staged folder to the released layout (MXFP4 experts) before the swap; the
+    model's parameters are the master weights either way (QAT never changes them).
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.with_name(f".staging-{target.name}")
-    shutil.rmtree(staging, ignore_errors=True)
+    released = target.with_name(f".staging-{target.name}-released")
+    for folder in (staging, released):
+        shutil.rmtree(folder, ignore_errors=True)
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         card.save(staging / "README.md")
-        replace_folder(staging, target)
+        if layout == "released":
+            export_released(staging, released, progress=False)
+        replace_folder(released if layout == "released" else staging, target)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        for folder in (staging, released):
+            shutil.rmtree(folder, ignore_errors=True)
     return target
 
 
@@ -417,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = build_tokenizer(model_args, splits["train"]["text"], checkpoint)
         blocks = tokenize_into_blocks(splits, tokenizer, data_args.block_size)
         model = build_model(model_args, tokenizer, checkpoint)
+        attach_expert_qat(model_args, model)
         optimizer_cls_and_kwargs, callbacks = optimizer_and_callbacks(model_args, training_args, model)
         trainer = build_trainer(model, tokenizer, blocks, training_args, optimizer_cls_and_kwargs, callbacks)
     except ValueError as error:
@@ -434,7 +476,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     card = render_model_card(trainer.model, publish[0] if publish else Path(training_args.output_dir).name, summary,
                              layer_balance)
-    model_dir = save_final_model(trainer.model, tokenizer, card, Path(training_args.output_dir) / FINAL_MODEL_DIR)
+    model_dir = save_final_model(
+        trainer.model, tokenizer, card, Path(training_args.output_dir) / FINAL_MODEL_DIR, model_args.final_layout
+    )
     print_report(summary, model_dir)
     if publish:
         repo_id, token = publish
