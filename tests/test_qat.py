@@ -7,7 +7,9 @@ import torch
 from kimi_k3.muon import PerHeadMuon
 from kimi_k3.qat import (
     attach_qat,
+    _COMPILED_MXFP4,
     fake_quantize_mxfp4,
+    fake_quantize_mxfp4_eager,
     fake_quantize_mxfp4_reference,
     fake_quantize_mxfp8,
     find_routed_experts,
@@ -70,13 +72,22 @@ def ids() -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fast_mxfp4_fake_quantizer_equals_pack_then_unpack_bit_for_bit(dtype):
     weight = awkward_weights().to(dtype)
-    fast, reference = fake_quantize_mxfp4(weight), fake_quantize_mxfp4_reference(weight)
+    fast, reference = fake_quantize_mxfp4_eager(weight), fake_quantize_mxfp4_reference(weight)
     assert fast.dtype == reference.dtype == dtype
     assert torch.equal(bits(fast), bits(reference))
     ties_to_even = [0, 0, 0.5, 1, 1, 1, 1.5, 2, 2, 2, 2, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6]
     assert torch.equal(fast[0, 0, :25], torch.tensor(ties_to_even, dtype=dtype))
     assert torch.equal(bits(fast[0, 3, :32]), torch.zeros(32, dtype=torch.int32))  # -0.0 is stored as +0
     assert torch.all(torch.signbit(fast[0, 5, 1:32]))  # -1e-3 rounds to -0 next to 5.0
+
+
+def test_compiled_mxfp4_fake_quantizer_gives_the_eager_bits_and_large_weights_use_it():
+    weight = awkward_weights()
+    compiled = _COMPILED_MXFP4(weight)
+    assert _COMPILED_MXFP4.compiled is not None and not _COMPILED_MXFP4.failed
+    assert torch.equal(bits(compiled), bits(fake_quantize_mxfp4_eager(weight)))
+    large = torch.randn(8, 256, 128)
+    assert torch.equal(bits(fake_quantize_mxfp4(large)), bits(fake_quantize_mxfp4_reference(large)))
 
 
 def test_mxfp4_fake_quantizer_is_idempotent_and_error_bounded():
