@@ -1,9 +1,14 @@
 """MXFP4 quantization-aware training of the routed experts: the fake-quantizers against the exporter's codec and an
 fp64 grid search, straight-through gradients, composition with the training pieces, and a lossless export."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from kimi_k3 import train
 from kimi_k3.muon import PerHeadMuon
 from kimi_k3.qat import (
     attach_qat,
@@ -18,6 +23,7 @@ from kimi_k3.qat import (
 from kimi_k3.release_format import export_released
 from modeling_kimi_k3 import KimiK3Experts, KimiK3ForCausalLM, situ_and_mul
 from tests.conftest import tiny_config
+from tests.test_train import TINY_MODEL, run_main, tiny_args, write_corpus
 
 # Expert input widths that MXFP4 can group (multiples of 32).
 QAT_SHAPES = {"routed_expert_hidden_size": 32, "moe_intermediate_size": 32}
@@ -264,3 +270,73 @@ def test_memory_report_counts_master_fake_quantized_copy_and_packed_export():
     sizes = qat_bytes_per_expert_weight((896, 6144, 3584))
     elements = 896 * 6144 * 3584
     assert sizes == {"master": 4 * elements, "fake_quantized": 4 * elements, "exported": elements // 2 + elements // 32}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# kimi-k3-train --qat
+# ---------------------------------------------------------------------------------------------------------------------
+QAT_MODEL_OVERRIDES = ["--config_overrides", json.dumps(TINY_MODEL | QAT_SHAPES)]
+
+
+def qat_run_args(output_dir: Path, corpus: Path, *extra: str) -> list[str]:
+    """A 4-step QAT toy run with checkpoints at steps 2 and 4, its final folder in the released layout."""
+    return tiny_args(output_dir, corpus, *QAT_MODEL_OVERRIDES, "--qat", "mxfp4", "--final_layout", "released",
+                     "--max_steps", "4", "--save_steps", "2", "--eval_steps", "2", *extra)  # fmt: skip
+
+
+def test_qat_training_job_resumes_bit_exactly_and_ships_what_it_evaluated(tmp_path, monkeypatch, ids):
+    corpus = write_corpus(tmp_path)
+    status, printed = run_main(qat_run_args(tmp_path / "run", corpus))
+    assert status == 0, printed
+    training_step = train.KimiK3Trainer.training_step
+
+    def dies_after_checkpoint_2(self, *args, **kwargs):
+        if self.state.global_step == 3:
+            raise KeyboardInterrupt("simulated interruption")
+        return training_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(train.KimiK3Trainer, "training_step", dies_after_checkpoint_2)
+    with pytest.raises(KeyboardInterrupt):
+        run_main(qat_run_args(tmp_path / "resumed", corpus))
+    monkeypatch.setattr(train.KimiK3Trainer, "training_step", training_step)
+    assert run_main(qat_run_args(tmp_path / "resumed", corpus, "--resume_from_checkpoint", "True"))[0] == 0
+    expected = load_file(tmp_path / "run" / "checkpoint-4" / "model.safetensors")
+    resumed = load_file(tmp_path / "resumed" / "checkpoint-4" / "model.safetensors")
+    assert expected.keys() == resumed.keys() and all(torch.equal(expected[k], resumed[k]) for k in expected)
+
+    # The checkpoint holds the master weights; the final folder the released MXFP4 experts, equal to the QAT forward.
+    master = KimiK3ForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint-4").eval()
+    attach_qat(master)
+    shipped = KimiK3ForCausalLM.from_pretrained(tmp_path / "run" / "model").eval()
+    assert json.loads((tmp_path / "run" / "model" / "config.json").read_text())["model_type"] == "kimi_k3"
+    inputs = ids % master.config.vocab_size
+    with torch.no_grad():
+        assert torch.equal(bits(shipped(inputs).logits), bits(master(inputs).logits))
+    assert (tmp_path / "run" / "model" / "tokenizer.json").is_file()
+
+
+QAT_BAD_INPUTS = {
+    "model without routed experts": (["--config_overrides", json.dumps(TINY_MODEL | {"num_experts": None}),
+                                      "--qat", "mxfp4"], "this model has none"),
+    "expert widths not multiples of 32": (["--qat", "mxfp4"], "has 24 input features (routed_expert_hidden_size)"),
+    "released layout of ungroupable experts": (["--final_layout", "released"], "--final_layout released: model"),
+    "activation format without --qat": (["--qat_activations", "mxfp8"], "--qat_activations mxfp8 needs --qat mxfp4"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(QAT_BAD_INPUTS))
+def test_bad_qat_input_stops_before_training_with_a_message(case, tmp_path, capsys):
+    extra, message = QAT_BAD_INPUTS[case]
+    assert train.main(tiny_args(tmp_path / "out", write_corpus(tmp_path), *extra)) == 2
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last_line.startswith("kimi-k3-train: error:") and message in last_line
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_qat_format_is_refused_by_the_argument_parser_naming_the_choices(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(tiny_args(tmp_path / "out", write_corpus(tmp_path), "--qat", "nvfp4"))
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "argument --qat: invalid choice: 'nvfp4' (choose from" in message and "mxfp4" in message
+    assert not (tmp_path / "out").exists()
