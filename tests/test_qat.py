@@ -286,8 +286,11 @@ def qat_run_args(output_dir: Path, corpus: Path, *extra: str) -> list[str]:
 
 def test_qat_training_job_resumes_bit_exactly_and_ships_what_it_evaluated(tmp_path, monkeypatch, ids):
     corpus = write_corpus(tmp_path)
+    attached = []
+    monkeypatch.setattr(train, "attach_qat", lambda model, *formats: attached.append(attach_qat(model, *formats)))
     status, printed = run_main(qat_run_args(tmp_path / "run", corpus))
     assert status == 0, printed
+    assert [(qat.weights, qat.activations, len(qat.experts)) for qat in attached] == [("mxfp4", "none", 8)]
     training_step = train.KimiK3Trainer.training_step
 
     def dies_after_checkpoint_2(self, *args, **kwargs):
