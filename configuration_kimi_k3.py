@@ -7,6 +7,8 @@ Defaults describe a small model that trains on a CPU in minutes while keeping ev
 """
 
 import copy
+import types
+import typing
 
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.generation import GenerationConfig
@@ -282,6 +284,7 @@ class KimiK3Config(PreTrainedConfig):
     # ------------------------------------------------------------------ validation
     def _validate(self) -> None:
         """Reject every inconsistent or unsupported setting with a message naming the field."""
+        self._validate_field_types()
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                      "max_position_embeddings", "moe_layer_freq"):
             _require_positive_int(name, getattr(self, name))
@@ -320,6 +323,16 @@ class KimiK3Config(PreTrainedConfig):
             raise ValueError(f"`qb_estimator` must be one of {QB_ESTIMATORS}, got {self.qb_estimator!r}.")
         if not isinstance(self.qb_num_bins, int) or self.qb_num_bins < 2:
             raise ValueError(f"`qb_num_bins` must be an integer >= 2, got {self.qb_num_bins!r}.")
+
+    def _validate_field_types(self) -> None:
+        """Each field of this class holds a value of its annotated type: a string such as `"1e-6"` from a hand-edited
+        config.json is refused here, naming the field, rather than failing later in arithmetic."""
+        for name, annotation in KimiK3Config.__annotations__.items():
+            value = getattr(self, name)
+            if not _is_instance(value, annotation):
+                raise ValueError(
+                    f"`{name}` must be {_type_name(annotation)}, got {value!r} ({type(value).__name__})."
+                )
 
     def _validate_layer_lists(self) -> None:
         cfg = self.linear_attn_config
@@ -387,6 +400,8 @@ class KimiK3Config(PreTrainedConfig):
             raise ValueError(f"`num_shared_experts` must be >= 0, got {self.num_shared_experts}.")
         if self.routed_expert_hidden_size is not None:
             _require_positive_int("routed_expert_hidden_size", self.routed_expert_hidden_size)
+        if not self.routed_scaling_factor > 0:
+            raise ValueError(f"`routed_scaling_factor` must be > 0, got {self.routed_scaling_factor}.")
         if self.moe_router_activation_func not in ROUTER_SCORE_FUNCTIONS:
             raise ValueError(
                 f"`moe_router_activation_func` must be one of {ROUTER_SCORE_FUNCTIONS}, "
@@ -414,6 +429,27 @@ def _handled_by_pretrained_config(key: str) -> bool:
     """Keys `PreTrainedConfig` consumes itself: its attributes, private plumbing and generation defaults."""
     generation_defaults = GenerationConfig._get_default_generation_params()
     return key.startswith("_") or hasattr(PreTrainedConfig, key) or key in generation_defaults
+
+
+def _is_instance(value, annotation) -> bool:
+    """isinstance for field annotations: unions, ``list[int]``; an int is a float, a bool is not a number."""
+    origin, arguments = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_instance(value, arm) for arm in arguments)
+    if annotation is type(None):
+        return value is None
+    if annotation in (int, float):
+        return isinstance(value, int if annotation is int else (int, float)) and not isinstance(value, bool)
+    if origin is list:
+        return isinstance(value, (list, tuple)) and all(_is_instance(item, arguments[0]) for item in value)
+    return isinstance(value, origin or annotation)
+
+
+def _type_name(annotation) -> str:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(arm) for arm in typing.get_args(annotation))
+    return {type(None): "null", float: "a number", int: "an integer", bool: "true or false", str: "a string",
+            dict: "an object (dict)"}.get(annotation, str(annotation))
 
 
 def _require_positive_int(name: str, value) -> None:

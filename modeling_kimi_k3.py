@@ -6,6 +6,7 @@ state-dict names (architecture.md §3.1). The file imports only torch, transform
 and its configuration sibling, so it can be copied into a checkpoint folder and loaded with ``trust_remote_code=True``.
 """
 
+import contextvars
 import math
 import re
 from collections import Counter
@@ -955,24 +956,41 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         "attentions": OutputRecorder(KimiK3MLAAttention, index=1),
     }
 
+    @classmethod
+    def from_pretrained(cls, *args, strict: bool = True, **kwargs):
+        """transformers' ``from_pretrained``, refusing a checkpoint that does not hold exactly the model's tensors.
+
+        Missing, unexpected or mis-shaped tensors, integer or boolean tensors where the model holds floats, and MXFP4
+        scales that decode to NaN or infinity are named in one ``ValueError`` before any tensor is read.
+        ``strict=False`` gives transformers' own lenient behaviour: missing tensors are initialised at random and
+        reported in a warning table, stored dtypes are cast.
+        """
+        token = _STRICT_LOADING.set(strict)
+        try:
+            return super().from_pretrained(*args, **kwargs)
+        finally:
+            _STRICT_LOADING.reset(token)
+
     @staticmethod
     def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys=None):
-        """Read a released-layout checkpoint (architecture.md §3) through the release transforms, after a strict check.
-
-        transformers only warns about missing or unexpected tensors; a released checkpoint must match exactly, so
-        `match_checkpoint_tensors` names every offending tensor before any is read. Our own `save_pretrained`
-        layout takes the stock path unchanged.
+        """Check the checkpoint (either layout) against the model, then read a released-layout one (architecture.md
+        §3) through the release transforms and our own layout through the stock path.
         """
-        released = _released_checkpoint_entries(checkpoint_files) if state_dict is None else None
-        if released is not None:
-            match_checkpoint_tensors(released, checkpoint_shapes(model), partial(read_checkpoint_tensor, released))
+        strict = _STRICT_LOADING.get()
+        entries = _safetensors_entries(checkpoint_files) if state_dict is None else None
+        released = entries is not None and is_released_layout(entries)
+        if strict and entries is not None:
+            verify_checkpoint_entries(model, entries)
+        if released:
             load_config = replace(
                 load_config, weight_mapping=[*released_layout_transforms(), *(load_config.weight_mapping or [])]
             )
         loaded = PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys)
-        if released is not None:
+        if released:
             # The release transforms are load-only: `save_pretrained` writes our layout again (the registered mapping).
             model._weight_conversions = None
+        if strict:
+            _refuse_incomplete_load(loaded[0])
         return loaded
 
     @torch.no_grad()
@@ -1186,6 +1204,13 @@ MXFP4_GROUP_SIZE = 32
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 ROUTED_EXPERT_WEIGHT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
 _MAX_REPORTED_PROBLEMS = 20
+# `from_pretrained(..., strict=False)` switches the checkpoint checks off for the duration of that call.
+_STRICT_LOADING = contextvars.ContextVar("kimi_k3_strict_loading", default=True)
+# Stored dtypes of floating-point tensors (safetensors names); integer or boolean data where the model holds floats
+# would be cast silently.
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+# E8M0 scales from this byte on can decode to infinity in fp32/bf16: 6 · 2^(253 − 127) = 1.5 · 2^128; 255 is NaN.
+_FIRST_OVERFLOWING_SCALE = 253
 
 
 def _mxfp4_byte_values() -> torch.Tensor:
@@ -1300,11 +1325,38 @@ def is_released_layout(names) -> bool:
     return any(name.startswith(RELEASE_TEXT_PREFIX) or name.endswith(".weight_packed") for name in names)
 
 
-def _released_checkpoint_entries(checkpoint_files: list[str] | None) -> dict[str, CheckpointEntry] | None:
+def _safetensors_entries(checkpoint_files: list[str] | None) -> dict[str, CheckpointEntry] | None:
     if not checkpoint_files or not all(str(path).endswith(".safetensors") for path in checkpoint_files):
         return None
-    entries = read_safetensors_headers(checkpoint_files)
-    return entries if is_released_layout(entries) else None
+    return read_safetensors_headers(checkpoint_files)
+
+
+def verify_checkpoint_entries(model: "KimiK3PreTrainedModel", entries: dict[str, CheckpointEntry]) -> None:
+    """Refuse a checkpoint (either layout) that does not hold exactly ``model``'s tensors, naming each offender."""
+    match_checkpoint_tensors(entries, checkpoint_shapes(model, entries), partial(read_checkpoint_tensor, entries))
+
+
+def verify_checkpoint_files(model: "KimiK3PreTrainedModel", checkpoint_files: list[str]) -> None:
+    """`verify_checkpoint_entries` for safetensors shards on disk, e.g. a Trainer checkpoint about to be resumed."""
+    verify_checkpoint_entries(model, read_safetensors_headers(checkpoint_files))
+
+
+def _refuse_incomplete_load(loading_info) -> None:
+    """What the header check cannot see (an in-memory ``state_dict``, failed conversions) is refused after loading."""
+    problems = [f"missing {name}" for name in sorted(loading_info.missing_keys)]
+    problems += [f"{name}: {error.strip().splitlines()[-1]}" for name, error in loading_info.conversion_errors.items()]
+    if problems:
+        raise ValueError(_refusal(problems))
+
+
+def _refusal(problems: list[str]) -> str:
+    listed = "; ".join(problems[:_MAX_REPORTED_PROBLEMS])
+    more = len(problems) - _MAX_REPORTED_PROBLEMS
+    return (
+        f"Refusing the checkpoint: {len(problems)} text tensor(s) do not match the model: {listed}"
+        + (f"; ... and {more} more" if more > 0 else "")
+        + " (from_pretrained(..., strict=False) loads it anyway, initialising what is missing)."
+    )
 
 
 def _unfused_expert_shapes(name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
@@ -1319,12 +1371,15 @@ def _unfused_expert_shapes(name: str, shape: tuple[int, ...]) -> dict[str, tuple
     return {name: shape}
 
 
-def checkpoint_shapes(model: KimiK3PreTrainedModel) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of our checkpoint layout for ``model``: KimiK3ForCausalLM names, per-expert w1/w3/w2."""
+def checkpoint_shapes(model: KimiK3PreTrainedModel, stored_names=()) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of our checkpoint layout for ``model``: KimiK3ForCausalLM names, per-expert w1/w3/w2
+    (fused expert tensors that ``stored_names`` holds, as ``save_pretrained(save_original_format=False)`` writes them,
+    keep their fused name)."""
     prefix = "model." if isinstance(model, KimiK3Model) else ""
     shapes = {}
     for name, tensor in model.state_dict().items():
-        shapes.update(_unfused_expert_shapes(prefix + name, tuple(tensor.shape)))
+        name, shape = prefix + name, tuple(tensor.shape)
+        shapes.update({name: shape} if name in stored_names else _unfused_expert_shapes(name, shape))
     if model.config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)  # stored once, as the embedding
     else:
@@ -1338,7 +1393,8 @@ def match_checkpoint_tensors(
     read_tensor: Callable[[str], torch.Tensor],
 ) -> dict[str, tuple[str, ...]]:
     """Match a checkpoint in either layout against ``expected`` (`checkpoint_shapes`); refuse it, naming every
-    offending tensor, unless each text tensor is present with its shape and nothing else is.
+    offending tensor, unless each text tensor is present with its shape and a floating-point dtype (MXFP4 pairs:
+    uint8, with scales that decode to finite values) and nothing else is.
 
     Returns, for each expected name, the stored tensors that hold it: itself, or (weight_packed, weight_scale).
     An expert counts as MXFP4 exactly when its `weight_packed` exists; the release's `quantization_config.ignore`
@@ -1356,7 +1412,7 @@ def match_checkpoint_tensors(
         key = prefix + name
         if ROUTED_EXPERT_WEIGHT.search(name) and f"{key}_packed" in entries:
             stored = (f"{key}_packed", f"{key}_scale")
-            problems += _mxfp4_problems(entries, stored, shape)
+            problems += _mxfp4_problems(entries, stored, shape, read_tensor)
         elif key in entries:
             stored = (key,)
             problems += _shape_problems(entries[key], key, shape, read_tensor)
@@ -1367,16 +1423,11 @@ def match_checkpoint_tensors(
         unclaimed.difference_update(stored)
     problems += [f"unexpected {name} {list(entries[name].shape)}" for name in sorted(unclaimed)]
     if problems:
-        listed = "\n  ".join(problems[:_MAX_REPORTED_PROBLEMS])
-        more = len(problems) - _MAX_REPORTED_PROBLEMS
-        raise ValueError(
-            f"Refusing the checkpoint: {len(problems)} text tensor(s) do not match the model.\n  "
-            f"{listed}" + (f"\n  ... and {more} more" if more > 0 else "")
-        )
+        raise ValueError(_refusal(problems))
     return sources
 
 
-def _mxfp4_problems(entries, stored: tuple[str, str], shape: tuple[int, ...]) -> list[str]:
+def _mxfp4_problems(entries, stored: tuple[str, str], shape: tuple[int, ...], read_tensor) -> list[str]:
     rows, columns = shape
     wanted = dict(zip(stored, [(rows, columns // 2), (rows, columns // MXFP4_GROUP_SIZE)]))
     problems = []
@@ -1386,10 +1437,29 @@ def _mxfp4_problems(entries, stored: tuple[str, str], shape: tuple[int, ...]) ->
             problems.append(f"missing {name} {list(want)}")
         elif entry.shape != want or entry.dtype != "U8":
             problems.append(f"{name}: expected U8 {list(want)}, found {entry.dtype} {list(entry.shape)}")
-    return problems
+    return problems or _nonfinite_scale_problems(stored, read_tensor)
+
+
+def _nonfinite_scale_problems(stored: tuple[str, str], read_tensor) -> list[str]:
+    """E8M0 byte 255 is NaN, and a byte >= 253 times a large E2M1 code overflows fp32 and bf16."""
+    packed, scale = stored
+    scales = read_tensor(scale)
+    if int(scales.max()) < _FIRST_OVERFLOWING_SCALE:
+        return []
+    dense = dequantize_mxfp4(read_tensor(packed), scales, torch.float32)
+    bad_groups = ~torch.isfinite(dense.view(*scales.shape, MXFP4_GROUP_SIZE)).all(-1)
+    if not bad_groups.any():
+        return []
+    nan_scales = int((scales == 255).sum())
+    return [
+        f"{scale}: {int(bad_groups.sum())} group(s) decode to non-finite values (E8M0 scale byte 255 = NaN in "
+        f"{nan_scales} group(s), largest byte {int(scales.max())})"
+    ]
 
 
 def _shape_problems(entry: CheckpointEntry, key: str, shape: tuple[int, ...], read_tensor) -> list[str]:
+    if entry.dtype not in _FLOAT_DTYPES:
+        return [f"{key}: stored as {entry.dtype}, expected a floating-point dtype {list(_FLOAT_DTYPES)}"]
     if key.endswith("A_log") and len(entry.shape) == 1 and entry.shape[0] > shape[0]:
         tail = read_tensor(key)[shape[0] :]
         if tail.any():

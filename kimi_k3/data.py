@@ -4,6 +4,7 @@ The embedded corpus needs no download: the Python reference manual's topic pages
 docstrings of a fixed list of standard-library modules. It is deterministic for a given Python version.
 """
 
+import codecs
 import importlib
 import inspect
 import platform
@@ -79,15 +80,61 @@ def load_local_corpus(paths: list[str], text_column: str) -> datasets.Dataset | 
         loaded = datasets.load_from_disk(paths[0])
     else:
         builder = _file_builder(paths)
+        for path in paths:
+            check_readable_file(path, utf8_text=builder in ("text", "json"))
         # A text file's documents are its paragraphs: lines of one paragraph should not be cut apart by EOS tokens.
         options = {"sample_by": "paragraph"} if builder == "text" else {}
-        loaded = datasets.load_dataset(builder, data_files=list(paths), split="train", **options)
+        try:
+            loaded = datasets.load_dataset(builder, data_files=list(paths), split="train", **options)
+        except datasets.exceptions.DatasetGenerationError as error:
+            cause = error.__cause__ or error
+            raise DataError(f"--data_files {', '.join(paths)}: {builder} files cannot be read: {cause}") from None
     column_names = loaded.column_names
     columns = next(iter(column_names.values())) if isinstance(column_names, dict) else column_names
     if text_column not in columns:
         raise DataError(f"--text_column {text_column!r} is not a column of {paths}; columns are {sorted(columns)}")
     loaded = loaded.select_columns([text_column])
+    for split in loaded.values() if isinstance(loaded, datasets.DatasetDict) else [loaded]:
+        check_text_values(split, text_column, paths)
     return loaded if text_column == TEXT_COLUMN else loaded.rename_column(text_column, TEXT_COLUMN)
+
+
+def check_readable_file(path: str, utf8_text: bool, chunk_bytes: int = 1 << 20) -> None:
+    """A data file must hold something; text and JSON files must be UTF-8 text (no NUL bytes)."""
+    if Path(path).stat().st_size == 0:
+        raise DataError(f"--data_files {path} is empty (0 bytes)")
+    if not utf8_text:
+        return
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            if b"\0" in chunk:
+                raise DataError(f"--data_files {path} is binary, not text (NUL byte at offset {offset + chunk.index(0)})")
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as error:
+                raise DataError(
+                    f"--data_files {path} is not UTF-8 text (byte 0x{chunk[error.start]:02x} at offset "
+                    f"{offset + error.start}); convert it, e.g. with `iconv -t utf-8`"
+                ) from None
+            offset += len(chunk)
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise DataError(f"--data_files {path} is not UTF-8 text (it ends inside a multi-byte character)") from None
+
+
+def check_text_values(dataset: datasets.Dataset, column: str, paths: list[str]) -> None:
+    """Every document must be a string (or null): JSON lines may mix numbers or objects into the text field."""
+    if dataset.features[column] in (datasets.Value("string"), datasets.Value("large_string")):
+        return
+    for row, value in enumerate(dataset[column]):
+        if value is not None and not isinstance(value, str):
+            raise DataError(
+                f"--data_files {', '.join(paths)}: column {column!r} must hold text, but row {row} holds "
+                f"{type(value).__name__} {value!r:.40}"
+            )
 
 
 def load_corpus(

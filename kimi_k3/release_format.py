@@ -261,16 +261,19 @@ class _ShardReader:
         return self._shard.get_tensor(name)
 
 
-def _open_checkpoint(folder: Path) -> tuple[dict[str, CheckpointEntry], _ShardReader]:
+def checkpoint_shard_files(folder: Path) -> list[str]:
+    """The safetensors shards of a saved folder: those its index names, or its single ``model.safetensors``."""
     index = folder / SAFE_WEIGHTS_INDEX_NAME
     if index.is_file():
         shard_names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [str(folder / shard_name) for shard_name in shard_names]
-    elif (folder / SAFE_WEIGHTS_NAME).is_file():
-        files = [str(folder / SAFE_WEIGHTS_NAME)]
-    else:
-        raise FileNotFoundError(f"{folder} holds no {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME}.")
-    entries = read_safetensors_headers(files)
+        return [str(folder / shard_name) for shard_name in shard_names]
+    if (folder / SAFE_WEIGHTS_NAME).is_file():
+        return [str(folder / SAFE_WEIGHTS_NAME)]
+    raise ValueError(f"{folder} holds no {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME}.")
+
+
+def _open_checkpoint(folder: Path) -> tuple[dict[str, CheckpointEntry], _ShardReader]:
+    entries = read_safetensors_headers(checkpoint_shard_files(folder))
     return entries, _ShardReader(entries)
 
 

@@ -5,6 +5,7 @@ push. The defaults train the default ``KimiK3Config()`` on the embedded corpus i
 Per-Head Muon and Quantile Balancing. Every ``TrainingArguments`` option can be given on the command line.
 """
 
+import difflib
 import json
 import math
 import os
@@ -16,26 +17,30 @@ from pathlib import Path
 
 import datasets
 import torch
-from transformers import HfArgumentParser, Trainer, TrainingArguments, default_data_collator, set_seed
+from accelerate.utils import broadcast_object_list
+from safetensors import safe_open
+from transformers import HfArgumentParser, Trainer, TrainerState, TrainingArguments, default_data_collator, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 
 from configuration_kimi_k3 import KimiK3Config
-from modeling_kimi_k3 import KimiK3ForCausalLM
+from modeling_kimi_k3 import KimiK3ForCausalLM, verify_checkpoint_files
 
-from . import hub
+from . import hub, run_folder
 from .balance_metrics import load_balance_metrics
-from .data import load_corpus, tokenize_into_blocks
+from .data import DataError, load_corpus, tokenize_into_blocks
 from .distributed import load_full_state_dict
 from .model_card import TrainingSummary, render_model_card
 from .muon import PerHeadMuonFactory
 from .qat import ACTIVATION_FORMATS, WEIGHT_FORMATS, attach_qat, check_mxfp4_widths, find_routed_experts
 from .quantile_balancing import QuantileBalancingCallback, find_routers
-from .release_format import export_released
+from .release_format import checkpoint_shard_files, export_released
 from .tokenizer import check_tokenizer_fits, load_tokenizer, train_bpe_tokenizer
 
 OPTIMIZERS = ("per_head_muon", "adamw")
 FINAL_LAYOUTS = ("ours", "released")
 FINAL_MODEL_DIR = "model"
+# Written into every checkpoint: what a resume compares its own global batch with.
+BATCH_FILE = "batch_size.json"
 # TrainingArguments defaults of this script (any of them can still be given on the command line): about 150 steps
 # of 8 x 128 tokens, a few minutes on 2 CPU cores.
 TRAINING_DEFAULTS = {
@@ -127,6 +132,10 @@ class UsageError(ValueError):
     """Arguments that contradict each other or the state of the output folder."""
 
 
+class SaveError(RuntimeError):
+    """Writing a checkpoint or the final model failed; nothing partial was published."""
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Trainer
 # ---------------------------------------------------------------------------------------------------------------------
@@ -135,6 +144,11 @@ class KimiK3Trainer(Trainer):
     evaluations report perplexity."""
 
     _staging_run_dir: Path | None = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # One tag per job, the same on every rank: all ranks write their RNG state into one staging folder.
+        self.staging_tag = broadcast_object_list([run_folder.new_tag()])[0]
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "eval_loss" in logs:
@@ -147,14 +161,14 @@ class KimiK3Trainer(Trainer):
         return super()._get_output_dir(trial)
 
     def _save_checkpoint(self, model, trial) -> None:
-        """Write ``checkpoint-N`` under a hidden staging folder, then rename it into place.
+        """Write ``checkpoint-N`` under a hidden staging folder unique to this job, fsync it and rename it into place.
 
-        A failure midway leaves no ``checkpoint-N`` behind, so ``--resume_from_checkpoint True`` still finds the
-        previous, complete one. The staging name is fixed so that every rank writes its RNG state into it.
+        A failure midway (a full disk, a kill) leaves no ``checkpoint-N`` behind, so ``--resume_from_checkpoint True``
+        still finds the previous, complete one; the failure surfaces as one `SaveError`.
         """
         run_dir = Path(super()._get_output_dir(trial))
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        staging = run_dir / f".staging-{name}"
+        staging = run_dir / run_folder.staging_name(name, self.staging_tag)
         if self.args.should_save:
             shutil.rmtree(staging, ignore_errors=True)
         self.accelerator.wait_for_everyone()
@@ -163,7 +177,10 @@ class KimiK3Trainer(Trainer):
             super()._save_checkpoint(model, trial)
             self.accelerator.wait_for_everyone()
             if self.args.should_save:
+                write_batch_size(self.args, staging / name / BATCH_FILE)
                 self._publish_checkpoint(staging / name, run_dir / name)
+        except Exception as error:
+            raise SaveError(save_failure(name, run_dir, error)) from error
         finally:
             self._staging_run_dir = None
             if self.args.should_save:
@@ -175,7 +192,7 @@ class KimiK3Trainer(Trainer):
             # The best checkpoint was recorded under its staging path; point the state at its final place.
             self.state.best_model_checkpoint = str(target)
             self.state.save_to_json(str(staged / "trainer_state.json"))
-        replace_folder(staged, target)
+        run_folder.replace_folder(staged, target)
         rotate_checkpoints(
             output_dir=str(target.parent),
             save_total_limit=self.args.save_total_limit,
@@ -184,6 +201,9 @@ class KimiK3Trainer(Trainer):
         )
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """Refuse a checkpoint that does not hold exactly the model's tensors (`from_pretrained`'s own check): Trainer
+        would otherwise only warn and train on with, say, a freshly initialised ``lm_head``."""
+        verify_checkpoint_files(model or self.model, checkpoint_shard_files(Path(resume_from_checkpoint)))
         if self.is_distributed_loading_by_transformers:
             self._load_into_shards(resume_from_checkpoint)
         else:
@@ -209,18 +229,24 @@ def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else math.inf
 
 
-def replace_folder(staged: Path, target: Path) -> None:
-    """Move a completely written folder to ``target``; an existing ``target`` stays whole until it is replaced.
+def save_failure(name: str, folder: Path, error: BaseException) -> str:
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    full = " (the disk is full)" if run_folder.is_disk_full(error) else ""
+    return f"saving {name} in {folder} failed{full}: {reason}; nothing partial was published"
 
-    ``staged`` lives under ``target``'s parent, so both renames stay on one filesystem and each is atomic; between
-    them the old folder sits complete under a hidden backup name.
-    """
-    backup = target.with_name(f".{target.name}.replaced")
-    shutil.rmtree(backup, ignore_errors=True)
-    if target.exists():
-        os.rename(target, backup)
-    os.rename(staged, target)
-    shutil.rmtree(backup, ignore_errors=True)
+
+def write_batch_size(args: TrainingArguments, path: Path) -> None:
+    path.write_text(json.dumps(batch_size(args)) + "\n")
+
+
+def batch_size(args: TrainingArguments) -> dict[str, int]:
+    per_device, accumulation, processes = args.per_device_train_batch_size, args.gradient_accumulation_steps, args.world_size
+    return {
+        "global": per_device * accumulation * processes,
+        "per_device_train_batch_size": per_device,
+        "gradient_accumulation_steps": accumulation,
+        "processes": processes,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -230,6 +256,13 @@ def parse_args(argv: list[str] | None) -> tuple[ModelArguments, DataArguments, T
     parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))
     parser.set_defaults(**TRAINING_DEFAULTS)
     return parser.parse_args_into_dataclasses(args=argv)
+
+
+def check_batch_sizes(training_args: TrainingArguments) -> None:
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        value = getattr(training_args, name)
+        if value < 1:
+            raise UsageError(f"--{name} must be >= 1, got {value}")
 
 
 def check_world_size(training_args: TrainingArguments) -> None:
@@ -292,9 +325,7 @@ def build_model(model_args: ModelArguments, tokenizer, checkpoint: str | None) -
 
     A resumed model gets its weights from Trainer's checkpoint loading, together with the optimizer state.
     """
-    overrides = json.loads(model_args.config_overrides) if model_args.config_overrides else {}
-    if not isinstance(overrides, dict):
-        raise UsageError(f"--config_overrides must be a JSON object, got {model_args.config_overrides!r}")
+    overrides = config_overrides(model_args.config_overrides)
     overrides["router_balancing"] = "quantile_balancing" if model_args.quantile_balancing else "none"
     if checkpoint is not None:
         model = KimiK3ForCausalLM(KimiK3Config.from_pretrained(checkpoint, **overrides))
@@ -322,6 +353,55 @@ def attach_expert_qat(model_args: ModelArguments, model: KimiK3ForCausalLM) -> N
             raise UsageError(f"--qat_activations {model_args.qat_activations} needs --qat {WEIGHT_FORMATS[0]}")
         return
     attach_qat(model, model_args.qat, model_args.qat_activations)
+
+
+def config_overrides(text: str | None) -> dict:
+    """The --config_overrides object; a field KimiK3Config does not have is an error naming the closest one."""
+    if not text:
+        return {}
+    try:
+        overrides = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise UsageError(f"--config_overrides is not valid JSON ({error}): {text!r}") from None
+    if not isinstance(overrides, dict):
+        raise UsageError(f"--config_overrides must be a JSON object, got {text!r}")
+    known = set(KimiK3Config().to_dict()) | set(KimiK3Config.attribute_map)
+    for name in overrides:
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise UsageError(f"--config_overrides: KimiK3Config has no field {name!r}{hint}")
+    return overrides
+
+
+def check_block_size(block_size: int, config: KimiK3Config) -> None:
+    if block_size > config.max_position_embeddings:
+        raise DataError(
+            f"--block_size {block_size} exceeds the model's max_position_embeddings ({config.max_position_embeddings})"
+        )
+
+
+def check_resumable(model, checkpoint: str, training_args: TrainingArguments) -> None:
+    """The checkpoint must hold exactly the model's tensors; a changed global batch is allowed but announced."""
+    verify_checkpoint_files(model, checkpoint_shard_files(Path(checkpoint)))
+    saved = Path(checkpoint) / BATCH_FILE
+    if not saved.is_file():
+        return
+    old, new = json.loads(saved.read_text()), batch_size(training_args)
+    if old["global"] != new["global"]:
+        print(
+            f"kimi-k3-train: warning: resuming {checkpoint} with global batch {new['global']} "
+            f"({describe_batch(new)}); it was trained with {old['global']} ({describe_batch(old)}), so the data order "
+            "and the optimizer trajectory differ from the original run",
+            file=sys.stderr,
+        )
+
+
+def describe_batch(batch: dict[str, int]) -> str:
+    return (
+        f"{batch['per_device_train_batch_size']} per device x {batch['gradient_accumulation_steps']} accumulation "
+        f"x {batch['processes']} processes"
+    )
 
 
 def optimizer_and_callbacks(model_args: ModelArguments, training_args: TrainingArguments, model):
@@ -406,28 +486,75 @@ def training_summary(trainer, model_args, data_description, blocks, block_size, 
     )
 
 
-def save_final_model(model, tokenizer, card, target: Path, layout: str = "ours") -> Path:
-    """Model, code, tokenizer and card written to a sibling staging folder, then swapped in (see replace_folder).
+def save_final_model(model, tokenizer, card, target: Path, tag: str | None = None, layout: str = "ours") -> Path:
+    """Model, code, tokenizer and card written to a unique sibling staging folder, then swapped in (see
+    `run_folder.replace_folder`); a failure raises `SaveError` and leaves any previous ``target`` whole.
 
     ``layout="released"`` converts the staged folder to the released layout (MXFP4 experts) before the swap; the
     model's parameters are the master weights either way (QAT never changes them).
     """
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.with_name(f".staging-{target.name}")
-    released = target.with_name(f".staging-{target.name}-released")
-    for folder in (staging, released):
-        shutil.rmtree(folder, ignore_errors=True)
+    tag = tag or run_folder.new_tag()
+    staging = target.with_name(run_folder.staging_name(target.name, tag))
+    released = target.with_name(run_folder.staging_name(f"{target.name}-released", tag))
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         card.save(staging / "README.md")
         if layout == "released":
             export_released(staging, released, progress=False)
-        replace_folder(released if layout == "released" else staging, target)
+        run_folder.replace_folder(released if layout == "released" else staging, target)
+    except Exception as error:
+        raise SaveError(save_failure(target.name, target.parent, error)) from error
     finally:
         for folder in (staging, released):
             shutil.rmtree(folder, ignore_errors=True)
     return target
+
+
+def finished_step(checkpoint: str | None, training_args: TrainingArguments) -> int | None:
+    """The checkpoint's step when it already reached the run's end (--max_steps, else the step count it recorded)."""
+    if checkpoint is None:
+        return None
+    state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+    last_step = training_args.max_steps if training_args.max_steps > 0 else state["max_steps"]
+    return state["global_step"] if state["global_step"] >= last_step else None
+
+
+def same_weights(first: Path, second: Path) -> bool:
+    """Both folders hold the same tensors, bit for bit (read one tensor at a time)."""
+    try:
+        files = [checkpoint_shard_files(folder) for folder in (first, second)]
+    except ValueError:
+        return False
+    handles = [[safe_open(path, framework="pt") for path in paths] for paths in files]
+    tensors = [{name: handle for handle in group for name in handle.keys()} for group in handles]
+    if tensors[0].keys() != tensors[1].keys():
+        return False
+    return all(torch.equal(tensors[0][name].get_tensor(name), tensors[1][name].get_tensor(name)) for name in tensors[0])
+
+
+def claim_output_folder(trainer: "KimiK3Trainer", checkpoint: str | None) -> run_folder.OutputFolderLock | None:
+    """Lock --output_dir for this job (on the main process; every rank learns the outcome), undo what a killed job
+    left half done, and make sure the folder still holds the checkpoint this job resolved before it was locked."""
+    args = trainer.args
+    lock, refusal = None, None
+    if args.should_save:
+        try:
+            lock = run_folder.OutputFolderLock(args.output_dir).acquire()
+            restored = run_folder.recover_replacements(Path(args.output_dir))
+            if restored:
+                print(f"kimi-k3-train: restored {', '.join(restored)} left mid-replacement by a killed job")
+            if resolve_checkpoint(args) != checkpoint:
+                raise UsageError(f"--output_dir {args.output_dir} changed while this job was starting; start it again")
+        except ValueError as error:
+            if lock is not None:
+                lock.release()
+            lock, refusal = None, str(error)
+    refusal = broadcast_object_list([refusal])[0]
+    if refusal is not None:
+        raise UsageError(refusal)
+    return lock
 
 
 def print_report(summary: TrainingSummary, model_dir: Path) -> None:
@@ -442,12 +569,16 @@ def print_report(summary: TrainingSummary, model_dir: Path) -> None:
 # Entry point
 # ---------------------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    """Run the job. Bad input exits with status 2 and a one-line message, before anything is written."""
+    """Run the job. Bad input exits with status 2 and a one-line message, before anything is written; a failed save
+    exits with status 1 and a one-line message, publishing nothing partial."""
     start = time.perf_counter()
     datasets.disable_progress_bars()
     try:
         model_args, data_args, training_args = parse_args(argv)
+        check_batch_sizes(training_args)
         check_world_size(training_args)
+        run_folder.check_not_locked(training_args.output_dir)
+        run_folder.check_writable(training_args.output_dir)
         publish = publish_settings(training_args)
         checkpoint = resolve_checkpoint(training_args)
         set_seed(training_args.seed)  # Trainer seeds only in its constructor, after the model is initialised
@@ -456,16 +587,42 @@ def main(argv: list[str] | None = None) -> int:
             data_args.data_files, data_args.text_column, data_args.validation_split_percentage
         )
         tokenizer = build_tokenizer(model_args, splits["train"]["text"], checkpoint)
-        blocks = tokenize_into_blocks(splits, tokenizer, data_args.block_size)
         model = build_model(model_args, tokenizer, checkpoint)
         attach_expert_qat(model_args, model)
+        check_block_size(data_args.block_size, model.config)
+        if checkpoint is not None:
+            check_resumable(model, checkpoint, training_args)
+        blocks = tokenize_into_blocks(splits, tokenizer, data_args.block_size)
         optimizer_cls_and_kwargs, callbacks = optimizer_and_callbacks(model_args, training_args, model)
         trainer = build_trainer(model, tokenizer, blocks, training_args, optimizer_cls_and_kwargs, callbacks)
+        lock = claim_output_folder(trainer, checkpoint)
     except ValueError as error:
         print(f"kimi-k3-train: error: {error}", file=sys.stderr)
         return 2
 
-    trainer.train(resume_from_checkpoint=checkpoint)
+    try:
+        return run(trainer, model_args, data_args, blocks, data_description, checkpoint, publish, start)
+    except SaveError as error:
+        print(f"kimi-k3-train: error: {error}", file=sys.stderr)
+        return 1
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def run(trainer, model_args, data_args, blocks, data_description, checkpoint, publish, start) -> int:
+    """Train (or, when the checkpoint already ends the run, only load it), evaluate, then save the final model."""
+    training_args = trainer.args
+    model_dir = Path(training_args.output_dir) / FINAL_MODEL_DIR
+    finished = finished_step(checkpoint, training_args)
+    if finished is None:
+        trainer.train(resume_from_checkpoint=checkpoint)
+    elif same_weights(Path(checkpoint), model_dir):
+        print(f"kimi-k3-train: the run already finished at step {finished} and {model_dir} holds its model; nothing to do")
+        return 0
+    else:  # killed while saving the final model: finish from the last checkpoint without training a step
+        trainer._load_from_checkpoint(checkpoint)
+        trainer.state = TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json"))
     eval_metrics = trainer.evaluate()
     if not trainer.is_world_process_zero():
         return 0
@@ -477,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
     card = render_model_card(trainer.model, publish[0] if publish else Path(training_args.output_dir).name, summary,
                              layer_balance)
     model_dir = save_final_model(
-        trainer.model, tokenizer, card, Path(training_args.output_dir) / FINAL_MODEL_DIR, model_args.final_layout
+        trainer.model, trainer.processing_class, card, model_dir, trainer.staging_tag, model_args.final_layout
     )
     print_report(summary, model_dir)
     if publish:

@@ -211,6 +211,14 @@ def _nonzero_tail(name):
     return edit
 
 
+def _fill_scale(name, rows, byte):
+    def edit(tensors):
+        tensors[name] = tensors[name].clone()
+        tensors[name][rows] = byte
+
+    return edit
+
+
 NORM = "language_model.model.norm.weight"
 A_LOG = f"{PREFIX}.0.self_attn.A_log"
 SCALE = f"{PREFIX}.1.block_sparse_moe.experts.3.w2.weight_scale"
@@ -225,8 +233,12 @@ EXTRA = f"{PREFIX}.0.self_attn.extra_proj.weight"
         (NORM, _set(NORM, torch.ones(33)), f"{NORM}: expected shape [32], found [33]"),
         (SCALE, _set(SCALE, torch.zeros(32, 1)), f"{SCALE}: expected U8 [32, 1], found F32 [32, 1]"),
         (A_LOG, _nonzero_tail(A_LOG), f"{A_LOG}: stored zero-padded to 8, but entries 2..7 are not zero"),
+        (SCALE, _fill_scale(SCALE, 0, 255), f"{SCALE}: 1 group(s) decode to non-finite values (E8M0 scale byte 255"),
+        (SCALE, _fill_scale(SCALE, slice(None), 254), f"{SCALE}: 32 group(s) decode to non-finite values"),
+        (NORM, _set(NORM, torch.ones(32, dtype=torch.int32)), f"{NORM}: stored as I32, expected a floating-point"),
     ],
-    ids=["missing", "extra", "wrong-shape", "wrong-dtype", "nonzero-A_log-tail"],
+    ids=["missing", "extra", "wrong-shape", "wrong-dtype", "nonzero-A_log-tail", "nan-scale", "overflowing-scale",
+         "integer-tensor"],
 )
 def test_loading_refuses_a_mismatched_released_checkpoint_naming_the_tensor(
     representable, tmp_path, holder, edit, message
@@ -368,3 +380,10 @@ def test_multi_shard_conversion_keeps_peak_memory_near_one_shard(tmp_path, capsy
     # whole output (one shard) measures > 100 MiB here. In-process numbers are lower bounds: freed heap is reused.
     assert model_mib > 90
     assert max(export_peak, import_peak) < 8 * shard_mib
+
+
+def test_from_release_conversion_refuses_non_finite_scales_and_writes_nothing(representable, tmp_path):
+    folder = shutil.copytree(representable.released, tmp_path / "released")
+    edit_shard_holding(folder, SCALE, _fill_scale(SCALE, 3, 255))
+    with pytest.raises(ValueError, match=f"{SCALE}: 1 group"):
+        import_released(folder, tmp_path / "ours", progress=False)

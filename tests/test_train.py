@@ -2,23 +2,27 @@
 saving is atomic, and bad input stops the job before anything is written."""
 
 import contextlib
+import errno
 import io
 import json
 import math
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import huggingface_hub
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
-from kimi_k3 import data, train
+from kimi_k3 import data, run_folder, train
 from kimi_k3.model_card import render_model_card
 from kimi_k3.tokenizer import load_tokenizer, train_bpe_tokenizer
 from modeling_kimi_k3 import KimiK3ForCausalLM
@@ -221,20 +225,24 @@ def test_resume_after_interruption_matches_uninterrupted_run_bit_exactly(trained
     )
 
 
-def test_failed_save_leaves_previous_checkpoint_and_model_loadable(trained, tmp_path, monkeypatch):
+def test_full_disk_is_one_line_and_leaves_previous_checkpoint_and_model_loadable(trained, tmp_path, monkeypatch, capsys):
     run = tmp_path / "run"
     shutil.copytree(trained[0], run)
     before = {name: weights(run / name) for name in ("checkpoint-8", "model")}
 
     def dies_midway(state_dict, filename, metadata=None):
         Path(filename).write_bytes(b"\0" * 1000)
-        raise OSError("disk full (simulated)")
+        raise OSError(errno.ENOSPC, "No space left on device")
 
     model = KimiK3ForCausalLM.from_pretrained(run / "model")
     monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", dies_midway)
-    with pytest.raises(OSError, match="simulated"):
-        run_main(tiny_args(run, trained[1], "--resume_from_checkpoint", "True", "--max_steps", "12"))
-    with pytest.raises(OSError, match="simulated"):
+    assert run_main(tiny_args(run, trained[1], "--resume_from_checkpoint", "True", "--max_steps", "12"))[0] == 1
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last_line == (
+        f"kimi-k3-train: error: saving checkpoint-12 in {run} failed (the disk is full): [Errno 28] No space left on "
+        "device; nothing partial was published"
+    )
+    with pytest.raises(train.SaveError, match="saving model .* failed \\(the disk is full\\)"):
         card = render_model_card(model, "tiny")
         train.save_final_model(model, load_tokenizer(run / "model"), card, run / "model")
 
@@ -243,6 +251,152 @@ def test_failed_save_leaves_previous_checkpoint_and_model_loadable(trained, tmp_
         reloaded = KimiK3ForCausalLM.from_pretrained(run / name).state_dict()
         assert weights(run / name).keys() == tensors.keys()
         assert torch.equal(reloaded["lm_head.weight"], tensors["lm_head.weight"])
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+
+
+def test_resuming_a_finished_run_trains_no_step_and_leaves_model_bit_identical(trained, tmp_path):
+    run = shutil.copytree(trained[0], tmp_path / "run")
+    before = folder_bytes(run / "model")
+    status, printed = run_main(tiny_args(run, trained[1], "--resume_from_checkpoint", "True"))
+    assert status == 0 and "already finished at step 8" in printed
+    assert folder_bytes(run / "model") == before
+    assert sorted(path.name for path in run.iterdir()) == ["checkpoint-4", "checkpoint-8", "model"]
+
+
+def test_run_killed_during_final_save_resumes_to_the_uninterrupted_model(trained, tmp_path):
+    run = shutil.copytree(trained[0], tmp_path / "run")
+    shutil.rmtree(run / "model")
+    (run / ".staging-model-0123456789ab").mkdir()  # what the killed save left: a partial staging folder
+    (run / ".staging-model-0123456789ab" / "model.safetensors").write_bytes(b"\0" * 100)
+    status, printed = run_main(tiny_args(run, trained[1], "--resume_from_checkpoint", "True"))
+    assert status == 0 and "8 steps" in printed
+    assert sorted(path.name for path in run.iterdir()) == ["checkpoint-4", "checkpoint-8", "model"]
+    expected, resumed = weights(trained[0] / "model"), weights(run / "model")
+    assert expected.keys() == resumed.keys() and all(torch.equal(expected[key], resumed[key]) for key in expected)
+
+
+def test_kill_between_the_two_renames_of_model_is_recovered(trained, tmp_path, monkeypatch):
+    run = shutil.copytree(trained[0], tmp_path / "run")
+    before = folder_bytes(run / "model")
+    rename = os.rename
+    calls = []
+
+    def killed_before_second_rename(source, target):
+        calls.append(target)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed between the renames")
+        rename(source, target)
+
+    monkeypatch.setattr(run_folder.os, "rename", killed_before_second_rename)
+    model = KimiK3ForCausalLM.from_pretrained(run / "model")
+    with pytest.raises(KeyboardInterrupt):
+        train.save_final_model(model, load_tokenizer(run / "model"), render_model_card(model, "tiny"), run / "model")
+    monkeypatch.setattr(run_folder.os, "rename", rename)
+    assert not (run / "model").exists() and (run / ".model.replaced").is_dir()
+
+    status, printed = run_main(tiny_args(run, trained[1], "--resume_from_checkpoint", "True"))
+    assert status == 0 and "restored model" in printed and "already finished" in printed
+    assert folder_bytes(run / "model") == before
+    assert sorted(path.name for path in run.iterdir()) == ["checkpoint-4", "checkpoint-8", "model"]
+
+
+def test_resume_refuses_a_checkpoint_missing_lm_head(trained, tmp_path, capsys):
+    run = shutil.copytree(trained[0], tmp_path / "run")
+    tensors = weights(run / "checkpoint-8")
+    del tensors["lm_head.weight"]
+    save_file(tensors, run / "checkpoint-8" / "model.safetensors", metadata={"format": "pt"})
+    listing = sorted(path.name for path in run.iterdir())
+    assert train.main(tiny_args(run, trained[1], "--resume_from_checkpoint", "True", "--max_steps", "12")) == 2
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last_line.startswith("kimi-k3-train: error: Refusing the checkpoint: 1 text tensor")
+    assert "missing lm_head.weight [300, 32]" in last_line
+    assert sorted(path.name for path in run.iterdir()) == listing
+
+
+def test_resume_with_another_global_batch_warns_naming_both(trained, tmp_path, capsys):
+    run = shutil.copytree(trained[0], tmp_path / "run")
+    extra = ["--resume_from_checkpoint", "True", "--max_steps", "9", "--gradient_accumulation_steps", "2"]
+    assert run_main(tiny_args(run, trained[1], *extra))[0] == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("kimi-k3-train: warning:")]
+    assert warnings == [
+        f"kimi-k3-train: warning: resuming {run / 'checkpoint-8'} with global batch 8 (4 per device x 2 accumulation "
+        "x 1 processes); it was trained with 4 (4 per device x 1 accumulation x 1 processes), so the data order and "
+        "the optimizer trajectory differ from the original run"
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One job per output folder
+# ---------------------------------------------------------------------------------------------------------------------
+def test_second_job_in_a_locked_folder_fails_at_once_naming_folder_and_holder(trained, tmp_path, capsys):
+    with run_folder.OutputFolderLock(tmp_path / "out"):
+        started = time.perf_counter()
+        assert train.main(tiny_args(tmp_path / "out", trained[1])) == 2
+        assert time.perf_counter() - started < 5
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"--output_dir {tmp_path / 'out'} is in use by another job (pid {os.getpid()} on {socket.gethostname()}" in last_line
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == []  # the lock file went with its holder
+
+
+def test_lock_of_a_killed_job_is_not_stuck(tmp_path):
+    holder = subprocess.run(
+        [sys.executable, "-c", "import os, signal, sys; from kimi_k3.run_folder import OutputFolderLock; "
+         "OutputFolderLock(sys.argv[1]).acquire(); os.kill(os.getpid(), signal.SIGKILL)", str(tmp_path / "out")],
+        env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60,
+    )  # fmt: skip
+    assert holder.returncode == -signal.SIGKILL and (tmp_path / "out" / run_folder.LOCK_NAME).exists()
+    with run_folder.OutputFolderLock(tmp_path / "out") as lock:
+        assert json.loads(lock.path.read_text())["pid"] == os.getpid()
+
+
+def test_publication_fsyncs_every_file_and_directory_before_the_rename_under_a_unique_staging_name(
+    trained, tmp_path, monkeypatch
+):
+    events = []
+    fsync, rename = os.fsync, os.rename
+
+    def recording_fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def recording_rename(source, target):
+        events.append(("rename", str(source), str(target)))
+        rename(source, target)
+
+    monkeypatch.setattr(run_folder.os, "fsync", recording_fsync)
+    monkeypatch.setattr(run_folder.os, "rename", recording_rename)
+    model = KimiK3ForCausalLM.from_pretrained(trained[0] / "model")
+    target = tmp_path / "model"
+    train.save_final_model(model, load_tokenizer(trained[0] / "model"), render_model_card(model, "tiny"), target, "t1")
+    (rename_index,) = [i for i, event in enumerate(events) if event[0] == "rename"]
+    staged = tmp_path / ".staging-model-t1"
+    assert events[rename_index] == ("rename", str(staged), str(target))
+    synced = {event[1] for event in events[:rename_index]}
+    assert {str(staged / path.name) for path in target.iterdir()} | {str(staged)} <= synced
+    assert events[rename_index + 1:] == [("fsync", str(tmp_path))]
+    assert run_folder.new_tag() != run_folder.new_tag()
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid"), reason="POSIX permissions")
+def test_read_only_output_folder_is_refused_before_training(trained, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    out.chmod(0o555)
+    immutable = os.geteuid() == 0 and subprocess.run(["chattr", "+i", str(out)], capture_output=True).returncode == 0
+    if os.geteuid() == 0 and not immutable:
+        pytest.skip("root ignores permission bits and this filesystem refuses chattr +i")
+    try:
+        assert train.main(tiny_args(out, trained[1])) == 2
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(out)], check=True)
+        out.chmod(0o755)
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last_line.startswith(f"kimi-k3-train: error: --output_dir {out}: cannot write in {out} (")
+    assert list(out.iterdir()) == []
 
 
 def test_adamw_without_quantile_balancing_trains_and_leaves_router_bias_at_zero(trained, tmp_path):
@@ -274,7 +428,39 @@ BAD_INPUTS = {
     "hub id without a token": (lambda run, tmp: ["--hub_model_id", "someone/kimi-k3-tiny"], "needs a token"),
     "resume without a checkpoint": (lambda run, tmp: ["--resume_from_checkpoint", "True"], "no checkpoint-N folder"),
     "bad config override": (lambda run, tmp: ["--config_overrides", '{"hidden_act": "tanh"}'], "`hidden_act` must be"),
+    "0-byte text file": (lambda run, tmp: ["--data_files", str(write_bytes(tmp, "empty.txt", b""))], "empty.txt is empty (0 bytes)"),
+    "binary text file": (
+        lambda run, tmp: ["--data_files", str(write_bytes(tmp, "bin.txt", b"ELF\x00\x01 header"))],
+        "bin.txt is binary, not text (NUL byte at offset 3)",
+    ),
+    "non-UTF-8 text file": (
+        lambda run, tmp: ["--data_files", str(write_bytes(tmp, "latin1.txt", "café au lait".encode("latin-1")))],
+        "latin1.txt is not UTF-8 text (byte 0xe9 at offset 3)",
+    ),
+    "JSON text field holding a number": (
+        lambda run, tmp: ["--data_files", str(write_bytes(tmp, "mixed.jsonl", b'{"text": "a b"}\n{"text": 5}\n'))],
+        "column 'text' must hold text, but row 1 holds int 5",
+    ),
+    "block size above max positions": (
+        lambda run, tmp: ["--block_size", "1024"], "--block_size 1024 exceeds the model's max_position_embeddings (512)"
+    ),
+    "eval batch size 0": (lambda run, tmp: ["--per_device_eval_batch_size", "0"], "--per_device_eval_batch_size must be >= 1, got 0"),
+    "train batch size 0": (lambda run, tmp: ["--per_device_train_batch_size", "0"], "--per_device_train_batch_size must be >= 1"),
+    "misspelt config field": (
+        lambda run, tmp: ["--config_overrides", '{"hiden_size": 64}'], "no field 'hiden_size'; did you mean 'hidden_size'?"
+    ),
+    "string config value": (
+        lambda run, tmp: ["--config_overrides", '{"rms_norm_eps": "1e-6"}'], "`rms_norm_eps` must be a number, got '1e-6' (str)"
+    ),
+    "string routed scaling factor": (
+        lambda run, tmp: ["--config_overrides", '{"routed_scaling_factor": "2.5"}'], "`routed_scaling_factor` must be a number"
+    ),
 }
+
+
+def write_bytes(folder: Path, name: str, content: bytes) -> Path:
+    (folder / name).write_bytes(content)
+    return folder / name
 
 
 def write_blank(folder: Path) -> Path:

@@ -1,0 +1,210 @@
+"""The output folder of a training job: one job at a time, durable atomic publication, recovery after a kill.
+
+A job holds an exclusive ``flock`` on ``<output_dir>/.kimi-k3.lock`` while it runs. The kernel drops the lock when
+the process dies, so a killed job never leaves the folder locked; the holder's pid, host and start time are written
+into the file so that a second job can name it. Folders are written under unique hidden staging names, fsync'ed
+(files, then directories) and renamed into place, so neither a crash nor a power loss publishes a partial folder.
+"""
+
+import errno
+import fcntl
+import json
+import os
+import shutil
+import socket
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+LOCK_NAME = ".kimi-k3.lock"
+STAGING_PREFIX = ".staging-"
+REPLACED_SUFFIX = ".replaced"
+
+
+class FolderBusyError(ValueError):
+    """Another job holds the output folder."""
+
+
+class FolderNotWritableError(ValueError):
+    """The output folder (or the folder it would be created in) cannot be written."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One job per folder
+# ---------------------------------------------------------------------------------------------------------------------
+class OutputFolderLock:
+    """Exclusive, non-blocking lock of ``folder`` for the life of one job; ``release`` removes the lock file."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.path = self.folder / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> "OutputFolderLock":
+        self.folder.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise FolderBusyError(busy_message(self.folder, read_holder(self.path))) from None
+            # The previous holder may have removed the file between our open and our lock: lock the live file.
+            if _same_file(fd, self.path):
+                break
+            os.close(fd)
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps(holder).encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        self.path.unlink(missing_ok=True)  # while still locked, so no other job can have locked this file
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> "OutputFolderLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def check_not_locked(folder: str | Path) -> None:
+    """Fail at once, writing nothing, when a running job holds ``folder``."""
+    path = Path(folder) / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise FolderBusyError(busy_message(Path(folder), read_holder(path))) from None
+    finally:
+        os.close(fd)
+
+
+def read_holder(path: Path) -> str:
+    try:
+        holder = json.loads(path.read_text())
+        return f"pid {holder['pid']} on {holder['host']}, running since {holder['since']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a job that has not yet written its pid"
+
+
+def busy_message(folder: Path, holder: str) -> str:
+    return f"--output_dir {folder} is in use by another job ({holder}); wait for it or choose another --output_dir"
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Checks before anything is written
+# ---------------------------------------------------------------------------------------------------------------------
+def check_writable(folder: str | Path) -> None:
+    """Create and remove a probe file in ``folder``, or in the nearest existing parent it would be created in."""
+    folder = Path(folder).absolute()
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise FolderNotWritableError(f"--output_dir {folder}: {existing} is a file, not a folder")
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".kimi-k3-probe-")
+    except OSError as error:
+        reason = os.strerror(error.errno) if error.errno else str(error)
+        raise FolderNotWritableError(f"--output_dir {folder}: cannot write in {existing} ({reason})") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Durable, atomic publication
+# ---------------------------------------------------------------------------------------------------------------------
+def staging_name(name: str, tag: str) -> str:
+    """Hidden, unique per job: two jobs (or a killed job's leftovers) never share a staging folder."""
+    return f"{STAGING_PREFIX}{name}-{tag}"
+
+
+def new_tag() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def fsync_tree(folder: Path) -> None:
+    """Flush every file under ``folder``, then every directory, to stable storage."""
+    for root, dirs, files in os.walk(folder, topdown=False):
+        for name in files:
+            _fsync(Path(root) / name, os.O_RDONLY)
+        _fsync(Path(root), os.O_RDONLY | os.O_DIRECTORY)
+
+
+def fsync_dir(folder: Path) -> None:
+    _fsync(folder, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def _fsync(path: Path, flags: int) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_folder(staged: Path, target: Path) -> None:
+    """Publish a completely written folder as ``target``; an existing ``target`` stays whole until it is replaced.
+
+    ``staged`` lives under ``target``'s parent, so both renames stay on one filesystem and each is atomic. Between
+    them the old folder sits complete under ``.<name>.replaced``; `recover_replacements` restores it if the job dies
+    there. Contents are fsync'ed before the first rename and the parent directory after the last.
+    """
+    fsync_tree(staged)
+    backup = replaced_name(target)
+    shutil.rmtree(backup, ignore_errors=True)
+    if target.exists():
+        os.rename(target, backup)
+    os.rename(staged, target)
+    fsync_dir(target.parent)
+    shutil.rmtree(backup, ignore_errors=True)
+
+
+def replaced_name(target: Path) -> Path:
+    return target.with_name(f".{target.name}{REPLACED_SUFFIX}")
+
+
+def recover_replacements(folder: Path) -> list[str]:
+    """Undo what a killed job left half done: put back a folder caught between the two renames of `replace_folder`
+    and remove staging folders. Only the lock holder may call this. Returns what was restored."""
+    restored = []
+    if not folder.is_dir():
+        return restored
+    for path in sorted(folder.iterdir()):
+        if path.name.startswith(".") and path.name.endswith(REPLACED_SUFFIX) and path.is_dir():
+            target = folder / path.name[1 : -len(REPLACED_SUFFIX)]
+            if target.exists():
+                shutil.rmtree(path)
+            else:
+                os.rename(path, target)
+                restored.append(target.name)
+        elif path.name.startswith(STAGING_PREFIX):
+            shutil.rmtree(path, ignore_errors=True)
+    if restored:
+        fsync_dir(folder)
+    return restored
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """ENOSPC/EDQUOT, also when a writer (torch.save's zip writer, safetensors) reports it in its own words."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(error)
+    return "No space left" in text or "unexpected pos" in text or "file write failed" in text
