@@ -22,9 +22,11 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
+from transformers.dynamic_module_utils import custom_object_save
 
-from configuration_kimi_k3 import KimiK3Config
+from configuration_kimi_k3 import AUTO_MAP, KimiK3Config
 from kimi_k3.mxfp4 import quantize_mxfp4
+from . import run_folder
 from modeling_kimi_k3 import (
     MXFP4_GROUP_SIZE,
     RELEASE_TEXT_PREFIX,
@@ -124,6 +126,8 @@ def released_config_dict(config: KimiK3Config) -> dict:
     return {
         "architectures": ["KimiK3ForConditionalGeneration"],
         "model_type": "kimi_k3",
+        # Our code, shipped beside the weights, reads this layout: the folder loads with trust_remote_code.
+        "auto_map": dict(AUTO_MAP),
         **{key: text_config[key] for key in shared if key in text_config},
         "text_config": text_config,
     }
@@ -136,7 +140,7 @@ def export_released(
     source: str | Path, target: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = True
 ) -> list[str]:
     """Our ``save_pretrained`` folder -> the released layout; returns the written shard file names."""
-    source, target = Path(source), _empty_folder(target)
+    source = Path(source)
     config = KimiK3Config.from_pretrained(source)
     entries, read = _open_checkpoint(source)
     if is_released_layout(entries):
@@ -147,10 +151,13 @@ def export_released(
         _export_step(name, stored, expected[name], entries, read, config)
         for name, stored in _in_shard_order(sources, entries)
     ]
-    shards = _write_checkpoint(steps, target, max_shard_bytes, progress, desc="to released layout")
-    (target / "config.json").write_text(json.dumps(released_config_dict(config), indent=2, sort_keys=True) + "\n")
-    _copy_auxiliary_files(source, target)
-    return shards
+
+    def write(folder: Path) -> list[str]:
+        shards = _write_checkpoint(steps, folder, max_shard_bytes, progress, desc="to released layout")
+        (folder / "config.json").write_text(json.dumps(released_config_dict(config), indent=2, sort_keys=True) + "\n")
+        return shards
+
+    return _publish(source, target, write)
 
 
 def import_released(
@@ -161,7 +168,7 @@ def import_released(
     MXFP4 experts are dequantized to the config's dtype (bf16 in the release, where it is exact); every other tensor
     keeps its stored dtype. Vision and projector tensors are dropped.
     """
-    source, target = Path(source), _empty_folder(target)
+    source = Path(source)
     config = KimiK3Config.from_pretrained(source)
     entries, read = _open_checkpoint(source)
     if not is_released_layout(entries):
@@ -173,10 +180,30 @@ def import_released(
         _import_step(name, stored, expected[name], entries, read, dense_dtype)
         for name, stored in _in_shard_order(sources, entries)
     ]
-    shards = _write_checkpoint(steps, target, max_shard_bytes, progress, desc="to our layout")
-    config.architectures = [KimiK3ForCausalLM.__name__]
-    config.save_pretrained(target)
-    _copy_auxiliary_files(source, target)
+
+    def write(folder: Path) -> list[str]:
+        shards = _write_checkpoint(steps, folder, max_shard_bytes, progress, desc="to our layout")
+        config.architectures = [KimiK3ForCausalLM.__name__]
+        config.save_pretrained(folder)
+        return shards
+
+    return _publish(source, target, write)
+
+
+def _publish(source: Path, target: str | Path, write: Callable[[Path], list[str]]) -> list[str]:
+    """Write the converted folder under a unique hidden name beside ``target``, with the code files that let it load
+    through ``trust_remote_code``, then rename it into place: a failed conversion leaves no partial ``target``."""
+    target = _absent_or_empty(Path(target))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(run_folder.staging_name(target.name, run_folder.new_tag()))
+    staging.mkdir()
+    try:
+        shards = write(staging)
+        custom_object_save(KimiK3ForCausalLM, staging)  # the model file and the files it imports relatively
+        _copy_auxiliary_files(source, staging)
+        run_folder.replace_folder(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return shards
 
 
@@ -312,10 +339,8 @@ def _group_into_shards(steps: list[_Step], max_shard_bytes: int) -> list[list[_S
     return shards
 
 
-def _empty_folder(folder: str | Path) -> Path:
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    if any(folder.iterdir()):
+def _absent_or_empty(folder: Path) -> Path:
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise ValueError(f"The output folder {folder} is not empty; stale shards would mix with the new ones.")
     return folder
 

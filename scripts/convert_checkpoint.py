@@ -45,12 +45,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Convert; a bad input or a failed write prints one line and returns 2, leaving no partial target folder."""
     args = parse_args(argv)
     convert = DIRECTIONS[args.direction]
-    shards = convert(args.source, args.target, max_shard_bytes=args.max_shard_size, progress=not args.no_progress)
+    try:
+        shards = convert(args.source, args.target, max_shard_bytes=args.max_shard_size, progress=not args.no_progress)
+    except (ValueError, OSError) as error:
+        print(f"convert_checkpoint.py: error: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
     print(f"Wrote {len(shards)} shard(s) to {args.target}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

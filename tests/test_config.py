@@ -130,3 +130,22 @@ BAD_LAYER_LISTS = [
 def test_invalid_layer_lists_raise_naming_the_field(linear_attn_config, message):
     with pytest.raises(ValueError, match=message):
         tiny_config(linear_attn_config=linear_attn_config)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("rms_norm_eps", "1e-6", "`rms_norm_eps` must be a number, got '1e-6' (str)."),
+        ("routed_scaling_factor", "2.5", "`routed_scaling_factor` must be a number, got '2.5' (str)."),
+        ("num_experts", 8.0, "`num_experts` must be an integer or null, got 8.0 (float)."),
+        ("use_cache", "false", "`use_cache` must be true or false, got 'false' (str)."),
+        ("routed_scaling_factor", 0, "`routed_scaling_factor` must be > 0, got 0."),
+    ],
+)
+def test_config_json_values_of_the_wrong_type_are_refused_at_load_naming_the_field(tmp_path, field, value, message):
+    tiny_config().save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**saved, field: value}))
+    with pytest.raises(ValueError) as error:
+        KimiK3Config.from_pretrained(tmp_path)
+    assert str(error.value) == message

@@ -2,7 +2,12 @@
 
 import json
 import logging
+import os
+import re
 import shutil
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import NamedTuple
 
@@ -189,10 +194,13 @@ def test_export_of_non_representable_experts_has_bounded_logit_error(ids, tmp_pa
     assert 0 < relative < 0.05
 
 
-def test_export_refuses_expert_widths_that_are_not_multiples_of_32(tmp_path):
+def test_export_refuses_expert_widths_that_are_not_multiples_of_32_in_one_line(tmp_path, capsys):
     KimiK3ForCausalLM(tiny_config()).save_pretrained(tmp_path / "ours")  # latent width 24
-    with pytest.raises(ValueError, match=r"experts\.0\.w1\.weight has 24 input features.*multiple of 32"):
-        convert_main(["to-release", str(tmp_path / "ours"), str(tmp_path / "released"), "--no-progress"])
+    assert convert_main(["to-release", str(tmp_path / "ours"), str(tmp_path / "released"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and re.fullmatch(r"convert_checkpoint.py: error: .*experts\.0\.w1\.weight has 24 input features.*multiple of 32.*", line)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["ours"]  # no target, no staging folder
 
 
 def _pop(name):
@@ -387,3 +395,69 @@ def test_from_release_conversion_refuses_non_finite_scales_and_writes_nothing(re
     edit_shard_holding(folder, SCALE, _fill_scale(SCALE, 3, 255))
     with pytest.raises(ValueError, match=f"{SCALE}: 1 group"):
         import_released(folder, tmp_path / "ours", progress=False)
+
+
+def test_failed_conversion_prints_one_line_and_leaves_no_partial_target(representable, tmp_path, capsys):
+    folder = shutil.copytree(representable.released, tmp_path / "released")
+    edit_shard_holding(folder, SCALE, _fill_scale(SCALE, 0, 255))
+    assert convert_main(["from-release", str(folder), str(tmp_path / "ours"), "--no-progress"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("convert_checkpoint.py: error: Refusing the checkpoint") and SCALE in line
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["released"]
+
+
+def test_conversion_failing_midway_removes_its_staging_folder(representable, tmp_path, monkeypatch, capsys):
+    import kimi_k3.release_format as release_format
+
+    def disk_full(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * 100)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(release_format, "save_file", disk_full)
+    (tmp_path / "empty").mkdir()
+    assert convert_main(["from-release", str(representable.released), str(tmp_path / "empty"), "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip() == "convert_checkpoint.py: error: [Errno 28] No space left on device"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["empty"] and not any((tmp_path / "empty").iterdir())
+
+
+# Runs in `python -I` with the project blocked: only the converted folder's own code files can serve the Auto classes.
+LOAD_CONVERTED_IN_FRESH_PROCESS = textwrap.dedent(
+    """
+    import sys
+    for name in ("modeling_kimi_k3", "configuration_kimi_k3", "kimi_k3"):
+        sys.modules[name] = None
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    expected = load_file(sys.argv[1])
+    for folder in sys.argv[2:]:
+        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+        assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
+        with torch.no_grad():
+            logits = model(expected["ids"]).logits
+        assert torch.equal(logits, expected["logits"]), (folder, (logits - expected["logits"]).abs().max())
+    print("ok")
+    """
+)
+
+
+def test_converted_folders_carry_the_code_and_reload_with_trust_remote_code_in_a_fresh_interpreter(
+    representable, ids, tmp_path
+):
+    ours = tmp_path / "ours"
+    assert convert_main(["from-release", str(representable.released), str(ours), "--no-progress"]) == 0
+    code = {"configuration_kimi_k3.py", "modeling_kimi_k3.py"}
+    for folder in (representable.released, ours):
+        assert code <= {path.name for path in folder.iterdir()}
+    assert json.loads((representable.released / "config.json").read_text())["auto_map"] == AUTO_MAP
+    save_file({"ids": ids, "logits": representable.logits.contiguous()}, tmp_path / "expected.safetensors")
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+    result = subprocess.run(
+        [sys.executable, "-I", "-c", LOAD_CONVERTED_IN_FRESH_PROCESS, str(tmp_path / "expected.safetensors"),
+         str(representable.released), str(ours)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("ok")
