@@ -55,6 +55,7 @@ def arguments(parser) -> None:
     parser.add_argument("--learning_rate", type=float, default=3e-3, help="fine-tuning learning rate")
     parser.add_argument("--batch_size", type=int, default=8, help="training sequences per step")
     parser.add_argument("--qat_activations", default="none", help="also fake-quantize expert inputs (mxfp8)")
+    parser.add_argument("--skip-timing", action="store_true", help="only the quality table")
     parser.add_argument("--keep", type=Path, default=None, help="keep the run folders here instead of a temp dir")
 
 
@@ -181,33 +182,34 @@ def main() -> None:
         splits, _ = load_corpus(None, "text", 5.0)
         blocks = tokenize_into_blocks(splits, load_tokenizer(base), 128)["validation"]
         quality = quality_rows(base, scratch, args, blocks)
-        timing = step_time_rows(base, blocks, args)
-        quantizers = quantizer_rows(base, args)
+        timing = [] if args.skip_timing else step_time_rows(base, blocks, args)
+        quantizers = [] if args.skip_timing else quantizer_rows(base, args)
+    tables = [
+        {
+            "caption": f"Fine-tuned {args.steps} steps from {base} (lr {args.learning_rate}, batch "
+            f"{args.batch_size} x 128 tokens), then exported to the released layout; "
+            f"{len(blocks)} held-out blocks of 128 tokens",
+            "rows": quality,
+            "columns": ["model", "eval loss, fp32 experts", "eval loss before export",
+                        "eval loss after export", "export gap", "perplexity after export"],
+        },  # fmt: skip
+        {
+            "caption": f"One training step (forward, backward, Per-Head Muon) of the start model, batch "
+            f"{args.batch_size} x 128, interleaved",
+            "rows": timing,
+            "columns": ["step", "seconds", "vs plain"],
+        },
+        {
+            "caption": "The MXFP4 fake-quantizer alone (bitwise equal outputs), interleaved",
+            "rows": quantizers,
+            "columns": ["fake-quantizer", "weight", "ms", "speed-up vs reference"],
+        },
+    ]
     report(
         "bench_qat",
         {
             "title": "MXFP4 QAT vs post-training quantization of the routed experts",
-            "tables": [
-                {
-                    "caption": f"Fine-tuned {args.steps} steps from {base} (lr {args.learning_rate}, batch "
-                    f"{args.batch_size} x 128 tokens), then exported to the released layout; "
-                    f"{len(blocks)} held-out blocks of 128 tokens",
-                    "rows": quality,
-                    "columns": ["model", "eval loss, fp32 experts", "eval loss before export",
-                                "eval loss after export", "export gap", "perplexity after export"],
-                },  # fmt: skip
-                {
-                    "caption": f"One training step (forward, backward, Per-Head Muon) of the start model, batch "
-                    f"{args.batch_size} x 128, interleaved",
-                    "rows": timing,
-                    "columns": ["step", "seconds", "vs plain"],
-                },
-                {
-                    "caption": "The MXFP4 fake-quantizer alone (bitwise equal outputs), interleaved",
-                    "rows": quantizers,
-                    "columns": ["fake-quantizer", "weight", "ms", "speed-up vs reference"],
-                },
-            ],
+            "tables": [table for table in tables if table["rows"]],
             "notes": [
                 "before export: the model as fine-tuned (PTQ: fp32 experts; QAT: experts fake-quantized to MXFP4, "
                 "the forward it trained with); after export: the released folder loaded back",
