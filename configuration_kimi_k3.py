@@ -7,14 +7,36 @@ Defaults describe a small model that trains on a CPU in minutes while keeping ev
 """
 
 import copy
+import importlib.metadata
 import types
 import typing
 
+from packaging.specifiers import SpecifierSet
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.generation import GenerationConfig
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
+
+# The transformers releases these files are tested under (the lowest and the newest are both run by the test suite).
+SUPPORTED_TRANSFORMERS = ">=5.23,<5.25"
+
+
+def installed_transformers() -> str:
+    return importlib.metadata.version("transformers")
+
+
+def transformers_is_supported(version: str | None = None) -> bool:
+    """Whether ``version`` (default: the installed transformers) lies in ``SUPPORTED_TRANSFORMERS``."""
+    return SpecifierSet(SUPPORTED_TRANSFORMERS).contains(version or installed_transformers(), prereleases=True)
+
+
+if not transformers_is_supported():
+    logger.warning(
+        f"Kimi K3 model code is tested with transformers {SUPPORTED_TRANSFORMERS}, but {installed_transformers()} is "
+        "installed; it may fail or compute differently. Install a supported version, e.g. "
+        f"pip install 'transformers{SUPPORTED_TRANSFORMERS}'."
+    )
 
 ROUTER_SCORE_FUNCTIONS = ("sigmoid", "softmax")
 ROUTER_BALANCING_MODES = ("quantile_balancing", "none")
@@ -74,7 +96,7 @@ class KimiK3Config(PreTrainedConfig):
     """
 
     model_type = "kimi_k3"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]  # the cache field under transformers >= 5.24 and before
     attribute_map = {
         "num_local_experts": "num_experts",
         "num_experts_per_tok": "num_experts_per_token",

@@ -6,31 +6,17 @@ state-dict names (architecture.md §3.1). The file imports only torch, transform
 and its configuration sibling, so it can be copied into a checkpoint folder and loaded with ``trust_remote_code=True``.
 """
 
-import contextvars
 import math
-import re
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import replace
 from functools import partial
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
 from torch import nn
 from torch.autograd.function import once_differentiable
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-from transformers.core_model_loading import (
-    Concatenate,
-    ConversionOps,
-    MergeModulelist,
-    PrefixChange,
-    WeightConverter,
-)
 from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
@@ -42,11 +28,36 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 try:
+    from .checkpoint_format_kimi_k3 import (
+        STRICT_LOADING,
+        fuse_per_expert_weights,
+        load_checkpoint,
+        register_expert_layout,
+    )
     from .configuration_kimi_k3 import KimiK3Config
 except ImportError:
+    from checkpoint_format_kimi_k3 import (
+        STRICT_LOADING,
+        fuse_per_expert_weights,
+        load_checkpoint,
+        register_expert_layout,
+    )
     from configuration_kimi_k3 import KimiK3Config
 
 logger = logging.get_logger(__name__)
+
+# transformers 5.24 renamed the cache argument and output field `past_key_values` to `cache`. Remote code runs under
+# whatever version the user has, so the model returns the cache under the running version's field name and accepts
+# it under either argument name, as transformers' own models do with `deprecate_kwarg`, but without a warning.
+CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def take_cache_argument(cache: Cache | None, kwargs: dict) -> Cache | None:
+    """The cache passed as `cache` (transformers >= 5.24) or as `past_key_values` (earlier versions), popped from kwargs."""
+    legacy = kwargs.pop("past_key_values", None)
+    if cache is not None and legacy is not None:
+        raise ValueError("Pass the cache once, as `cache` or as `past_key_values`, not both.")
+    return legacy if cache is None else cache
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -147,7 +158,9 @@ class CompiledFunction:
     is used from then on, after one warning; the kernel's own runtime errors (e.g. out of memory) propagate.
     """
 
-    def __init__(self, function: Callable, skip_hint: str = "set `use_fused_situ=False` in the config to skip the attempt"):
+    def __init__(
+        self, function: Callable, skip_hint: str = "set `use_fused_situ=False` in the config to skip the attempt"
+    ):
         self.function = function
         self.skip_hint = skip_hint
         self.compiled: Callable | None = None
@@ -458,7 +471,7 @@ class KimiK3DeltaAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
         batch_size, seq_len, _ = hidden_states.shape
@@ -466,11 +479,11 @@ class KimiK3DeltaAttention(nn.Module):
             # Padding must not reach the short convolutions of real tokens (architecture.md §2.3 step 9).
             hidden_states = hidden_states * attention_mask[..., None].to(hidden_states.dtype)
         head_shape = (batch_size, seq_len, self.num_heads, self.head_dim)
-        previous_state = past_key_values.get_recurrent_state(self.layer_idx) if past_key_values is not None else None
+        previous_state = cache.get_recurrent_state(self.layer_idx) if cache is not None else None
 
-        q = self._causal_conv(self.q_proj(hidden_states), self.q_conv1d, past_key_values, 0).reshape(head_shape)
-        k = self._causal_conv(self.k_proj(hidden_states), self.k_conv1d, past_key_values, 1).reshape(head_shape)
-        v = self._causal_conv(self.v_proj(hidden_states), self.v_conv1d, past_key_values, 2).reshape(head_shape)
+        q = self._causal_conv(self.q_proj(hidden_states), self.q_conv1d, cache, 0).reshape(head_shape)
+        k = self._causal_conv(self.k_proj(hidden_states), self.k_conv1d, cache, 1).reshape(head_shape)
+        v = self._causal_conv(self.v_proj(hidden_states), self.v_conv1d, cache, 2).reshape(head_shape)
         g = kda_decay_gate(self.f_b_proj(self.f_a_proj(hidden_states)), self.A_log, self.dt_bias, self.gate_lower_bound)
         beta = torch.sigmoid(upcast(self.b_proj(hidden_states)))
         if attention_mask is not None:
@@ -486,8 +499,8 @@ class KimiK3DeltaAttention(nn.Module):
         else:
             kernel = partial(chunk_kda, gate_lower_bound=self.gate_lower_bound)
         core, final_state = kernel(q, k, upcast(v), g, beta, initial_state=previous_state)
-        if past_key_values is not None:
-            past_key_values.update_recurrent_state(final_state, self.layer_idx)
+        if cache is not None:
+            cache.update_recurrent_state(final_state, self.layer_idx)
 
         gate = self.g_proj(hidden_states).reshape(head_shape)
         output = self.o_norm(core, gate).reshape(batch_size, seq_len, -1)
@@ -592,15 +605,15 @@ class KimiK3MLAAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         token_mask: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch_size, seq_len, _ = hidden_states.shape
         queries = self.project_queries(hidden_states)
         latent, shared_key = self.compress_key_values(hidden_states)
-        if past_key_values is not None:
-            latent, shared_key = past_key_values.update(latent, shared_key, self.layer_idx)
+        if cache is not None:
+            latent, shared_key = cache.update(latent, shared_key, self.layer_idx)
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
@@ -616,16 +629,8 @@ class KimiK3MLAAttention(nn.Module):
         keys, values = self.expand_key_values(latent, shared_key)
         if self.config.record_attn_logit_max and self.training and torch.is_grad_enabled():
             self._record_logit_max(queries, keys, token_mask)
-        return attention_interface(
-            self,
-            queries,
-            keys,
-            values,
-            attention_mask,
-            dropout=self.attention_dropout if self.training else 0.0,
-            scaling=self.scaling,
-            **kwargs,
-        )
+        dropout = self.attention_dropout if self.training else 0.0
+        return self._attention(attention_interface, queries, keys, values, attention_mask, dropout, **kwargs)
 
     def _attend_absorbed(self, attention_interface, queries, latent, shared_key, attention_mask, token_mask, **kwargs):
         """Attention over the cached latent: q·k_nope = (W_ukᵀ q)·c_kv, and W_uv is applied after the softmax."""
@@ -634,21 +639,38 @@ class KimiK3MLAAttention(nn.Module):
         absorbed_query = torch.cat([torch.einsum("bhtn,hnc->bhtc", query_nope, key_weight), query_rope], dim=-1)
         keys = torch.cat([latent, shared_key], dim=-1).expand(-1, self.num_heads, -1, -1)
         values = latent.expand(-1, self.num_heads, -1, -1)
-        latent_output, attn_weights = attention_interface(
-            self, absorbed_query, keys, values, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
+        latent_output, attn_weights = self._attention(
+            attention_interface, absorbed_query, keys, values, attention_mask, 0.0, **kwargs
         )
-        return torch.einsum("bthc,hvc->bthv", latent_output, value_weight), attn_weights
+        with torch.autocast(latent_output.device.type, enabled=False):
+            value_weight = value_weight.to(torch.promote_types(value_weight.dtype, latent_output.dtype))
+            return torch.einsum("bthc,hvc->bthv", latent_output, value_weight), attn_weights
+
+    def _attention(self, attention_interface, query, key, value, attention_mask, dropout, **kwargs):
+        """The attention interface; under autocast on fp32 copies of q/k/v with autocast off, so that the output
+        reaches the output gate in fp32: K3 keeps the attention output in FP32 in training against the biased
+        rounding of low-precision attention outputs (Kimi K3 technical report §2.1.2)."""
+        if not torch.is_autocast_enabled(query.device.type):
+            return attention_interface(
+                self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs
+            )
+        with torch.autocast(query.device.type, enabled=False):
+            return attention_interface(
+                self, upcast(query), upcast(key), upcast(value), attention_mask, dropout=dropout,
+                scaling=self.scaling, **kwargs,
+            )
 
     @torch.no_grad()
     def _record_logit_max(self, queries: torch.Tensor, keys: torch.Tensor, token_mask: torch.Tensor | None) -> None:
-        """Per-head running max of the pre-softmax logits over causal, non-padding pairs (QK-Clip, training.md §2.5)."""
+        """Per-head running max of the pre-softmax logits over causal pairs whose query and key are both real tokens
+        (QK-Clip): a padded query row is never attended from, so it must not trigger a clip."""
         logits = torch.matmul(upcast(queries), upcast(keys).transpose(2, 3)) * self.scaling
         query_len, key_len = logits.shape[-2:]
         allowed = torch.ones(query_len, key_len, dtype=torch.bool, device=logits.device).tril(key_len - query_len)
         allowed = allowed.expand(logits.shape[0], 1, -1, -1)
         if token_mask is not None:
-            valid_keys = token_mask.view(logits.shape[0], -1)[:, -key_len:]
-            allowed = allowed & valid_keys[:, None, None, :]
+            valid = token_mask.view(logits.shape[0], -1)
+            allowed = allowed & valid[:, None, -query_len:, None] & valid[:, None, None, -key_len:]
         head_max = logits.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3))
         torch.maximum(self.attn_logit_max, head_max, out=self.attn_logit_max)
 
@@ -804,21 +826,9 @@ class KimiK3Experts(nn.Module):
         tensors missing and silently keep their initial values. A layer whose experts are only partly present
         (a shard boundary inside it) is an error, never a silent partial load.
         """
-        per_expert = [f"{prefix}{e}.{w}.weight" for w in ("w1", "w3", "w2") for e in range(self.num_experts)]
-        present = [key in state_dict for key in per_expert]
-        if all(present):
-            w1, w3, w2 = (
-                torch.stack([state_dict.pop(f"{prefix}{e}.{w}.weight") for e in range(self.num_experts)])
-                for w in ("w1", "w3", "w2")
-            )
-            state_dict[prefix + "gate_up_proj"] = torch.cat([w1, w3], dim=1)
-            state_dict[prefix + "down_proj"] = w2
-        elif any(present):
-            missing = [key for key, found in zip(per_expert, present) if not found]
-            error_msgs.append(
-                f"{prefix[:-1]}: the state dict holds only some per-expert weights (missing e.g. {missing[0]}); "
-                "load the whole checkpoint at once, e.g. with `from_pretrained`."
-            )
+        error = fuse_per_expert_weights(state_dict, prefix, self.num_experts)
+        if error is not None:
+            error_msgs.append(error)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
@@ -909,13 +919,13 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         blocks: list[torch.Tensor],
         attention_mask: torch.Tensor | None = None,
         token_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         if self.attn_res_block_size is None:
             # Plain pre-norm residual stream (no AttnRes); `partial` is then the hidden state.
             mixed, _ = self.self_attn(
-                self.input_layernorm(partial), attention_mask, past_key_values=past_key_values, token_mask=token_mask, **kwargs
+                self.input_layernorm(partial), attention_mask, cache=cache, token_mask=token_mask, **kwargs
             )
             hidden_states = partial + mixed
             return hidden_states + self.feed_forward(hidden_states, token_mask), blocks
@@ -929,7 +939,7 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         if starts_block:
             blocks = [*blocks, partial]
         mixed, _ = self.self_attn(
-            self.input_layernorm(mixer_input), attention_mask, past_key_values=past_key_values, token_mask=token_mask, **kwargs
+            self.input_layernorm(mixer_input), attention_mask, cache=cache, token_mask=token_mask, **kwargs
         )
         partial = mixed if starts_block else partial + mixed
         ffn_input = block_attention_residual(partial, blocks, self.mlp_res_proj, self.mlp_res_norm)
@@ -942,7 +952,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["KimiK3DecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = [CACHE_FIELD]
     _supports_sdpa = True
     _supports_flash_attn = False
     _is_stateful = True
@@ -965,33 +975,18 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         ``strict=False`` gives transformers' own lenient behaviour: missing tensors are initialised at random and
         reported in a warning table, stored dtypes are cast.
         """
-        token = _STRICT_LOADING.set(strict)
+        token = STRICT_LOADING.set(strict)
         try:
             return super().from_pretrained(*args, **kwargs)
         finally:
-            _STRICT_LOADING.reset(token)
+            STRICT_LOADING.reset(token)
 
     @staticmethod
     def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys=None):
-        """Check the checkpoint (either layout) against the model, then read a released-layout one (architecture.md
-        §3) through the release transforms and our own layout through the stock path.
-        """
-        strict = _STRICT_LOADING.get()
-        entries = _safetensors_entries(checkpoint_files) if state_dict is None else None
-        released = entries is not None and is_released_layout(entries)
-        if strict and entries is not None:
-            verify_checkpoint_entries(model, entries)
-        if released:
-            load_config = replace(
-                load_config, weight_mapping=[*released_layout_transforms(), *(load_config.weight_mapping or [])]
-            )
-        loaded = PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys)
-        if released:
-            # The release transforms are load-only: `save_pretrained` writes our layout again (the registered mapping).
-            model._weight_conversions = None
-        if strict:
-            _refuse_incomplete_load(loaded[0])
-        return loaded
+        """Checks the checkpoint, then reads our layout or the released one (``checkpoint_format_kimi_k3``)."""
+        return load_checkpoint(
+            PreTrainedModel._load_pretrained_model, model, state_dict, checkpoint_files, load_config, expected_keys
+        )
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -1048,11 +1043,12 @@ class KimiK3Model(KimiK3PreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
         **kwargs,
     ) -> MoeModelOutputWithPast:
+        cache = take_cache_argument(cache, kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
         if inputs_embeds is None:
@@ -1063,25 +1059,20 @@ class KimiK3Model(KimiK3PreTrainedModel):
                 f"`inputs_embeds` must have shape [batch, seq_len, {self.config.hidden_size}], "
                 f"got {tuple(inputs_embeds.shape)}."
             )
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-        self._check_lengths(inputs_embeds, attention_mask, past_key_values, past_length)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        past_length = cache.get_seq_length() if cache is not None else 0
+        self._check_lengths(inputs_embeds, attention_mask, cache, past_length)
         if position_ids is None:
             position_ids = torch.arange(
                 past_length, past_length + inputs_embeds.shape[1], device=inputs_embeds.device
             ).unsqueeze(0)
 
-        mask_kwargs = {
-            "config": self.config,
-            "inputs_embeds": inputs_embeds,
-            "attention_mask": attention_mask,
-            "past_key_values": past_key_values,
-            "position_ids": position_ids,
-        }
+        # Positional: the cache parameter of the mask builders is named differently across transformers versions.
+        mask_args = (self.config, inputs_embeds, attention_mask, cache)
         masks = {
-            "full_attention": create_causal_mask(**mask_kwargs),
-            "linear_attention": create_recurrent_attention_mask(**mask_kwargs),
+            "full_attention": create_causal_mask(*mask_args, position_ids=position_ids),
+            "linear_attention": create_recurrent_attention_mask(*mask_args, position_ids=position_ids),
         }
         token_mask = None
         if attention_mask is not None and attention_mask.ndim == 2:
@@ -1094,13 +1085,13 @@ class KimiK3Model(KimiK3PreTrainedModel):
                 blocks,
                 attention_mask=masks[decoder_layer.layer_type],
                 token_mask=token_mask,
-                past_key_values=past_key_values,
+                cache=cache,
                 **kwargs,
             )
         hidden_states = partial
         if self.output_attn_res_proj is not None:
             hidden_states = block_attention_residual(partial, blocks, self.output_attn_res_proj, self.output_attn_res_norm)
-        return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+        return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **{CACHE_FIELD: cache})
 
     def _check_input_ids(self, input_ids: torch.Tensor) -> None:
         if input_ids.ndim != 2 or input_ids.dtype not in (torch.int32, torch.int64):
@@ -1117,7 +1108,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
                 f"got values in [{int(input_ids.min())}, {int(input_ids.max())}]."
             )
 
-    def _check_lengths(self, inputs_embeds, attention_mask, past_key_values, past_length) -> None:
+    def _check_lengths(self, inputs_embeds, attention_mask, cache, past_length) -> None:
         batch_size, seq_len = inputs_embeds.shape[:2]
         if past_length + seq_len > self.config.max_position_embeddings:
             raise ValueError(
@@ -1130,10 +1121,10 @@ class KimiK3Model(KimiK3PreTrainedModel):
                     f"`attention_mask` must have shape [batch={batch_size}, cached+new={past_length + seq_len}], "
                     f"got {tuple(attention_mask.shape)}."
                 )
-        cached_batch = _cache_batch_size(past_key_values)
+        cached_batch = _cache_batch_size(cache)
         if cached_batch is not None and cached_batch != batch_size:
             raise ValueError(
-                f"`past_key_values` holds a batch of {cached_batch} sequences but the input has {batch_size}; "
+                f"The cache holds a batch of {cached_batch} sequences but the input has {batch_size}; "
                 "pass the cache returned for this batch (or `reorder_cache` it)."
             )
 
@@ -1164,7 +1155,7 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -1175,7 +1166,7 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=take_cache_argument(cache, kwargs),
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
@@ -1188,310 +1179,14 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
         return MoeCausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             router_logits=outputs.router_logits,
+            **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
         )
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Released checkpoint layout (architecture.md §3): `language_model.` prefix, MXFP4 routed experts, zero-padded A_log
-# ---------------------------------------------------------------------------------------------------------------------
-RELEASE_TEXT_PREFIX = "language_model."
-RELEASE_MULTIMODAL_PREFIXES = ("vision_tower.", "mm_projector.")
-MXFP4_GROUP_SIZE = 32
-E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-ROUTED_EXPERT_WEIGHT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
-_MAX_REPORTED_PROBLEMS = 20
-# `from_pretrained(..., strict=False)` switches the checkpoint checks off for the duration of that call.
-_STRICT_LOADING = contextvars.ContextVar("kimi_k3_strict_loading", default=True)
-# Stored dtypes of floating-point tensors (safetensors names); integer or boolean data where the model holds floats
-# would be cast silently.
-_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
-# E8M0 scales from this byte on can decode to infinity in fp32/bf16: 6 · 2^(253 − 127) = 1.5 · 2^128; 255 is NaN.
-_FIRST_OVERFLOWING_SCALE = 253
-
-
-def _mxfp4_byte_values() -> torch.Tensor:
-    """[256, 2]: the two values a byte encodes, element 2j in the low nibble; code bit 3 is the sign."""
-    magnitudes = torch.tensor(E2M1_MAGNITUDES)
-    codes = torch.cat([magnitudes, -magnitudes])
-    byte = torch.arange(256)
-    return torch.stack([codes[byte & 0xF], codes[byte >> 4]], dim=-1)
-
-
-_MXFP4_BYTE_VALUES = _mxfp4_byte_values()
-# E8M0: 2^(s − 127), exact in fp32 down to the subnormal 2^-127; s = 255 encodes NaN.
-_E8M0_VALUES = torch.tensor([2.0 ** (s - 127) for s in range(255)] + [float("nan")])
-
-
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """MXFP4 -> dense: W[n, 32g + r] = E2M1(code) · 2^(s[n, g] − 127), exact in bf16 (architecture.md §3.3).
-
-    ``blocks`` uint8 [..., in/2] holds two codes per byte; ``scales`` uint8 [..., in/32] one E8M0 exponent per group.
-    """
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise ValueError(f"MXFP4 `blocks` and `scales` must be uint8, got {blocks.dtype} and {scales.dtype}.")
-    if blocks.shape[:-1] != scales.shape[:-1] or 2 * blocks.shape[-1] != MXFP4_GROUP_SIZE * scales.shape[-1]:
-        raise ValueError(
-            f"MXFP4 `blocks` {list(blocks.shape)} and `scales` {list(scales.shape)} disagree: for n input features "
-            f"they must be [..., n/2] and [..., n/{MXFP4_GROUP_SIZE}]."
-        )
-    values = _MXFP4_BYTE_VALUES.to(blocks.device).index_select(0, blocks.flatten().long())
-    group_scales = _E8M0_VALUES.to(blocks.device).index_select(0, scales.flatten().long())
-    dense = values.view(-1, MXFP4_GROUP_SIZE) * group_scales[:, None]
-    return dense.view(*blocks.shape[:-1], -1).to(dtype)
-
-
-class DequantizeMXFP4(ConversionOps):
-    """(weight_packed, weight_scale) source pairs -> dense expert weights, stacked over experts (architecture.md §3.3).
-
-    transformers materializes every checkpoint tensor in the target parameter's dtype before the ops run; the uint8
-    codes and exponents (integers below 256) survive that cast exactly and are cast back here.
-    """
-
-    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
-        dense = {}
-        for packed_pattern, scale_pattern in zip(source_patterns[::2], source_patterns[1::2]):
-            blocks, scales = input_dict.pop(packed_pattern), input_dict.pop(scale_pattern)
-            first = blocks[0]
-            stacked = first.new_empty((len(blocks), first.shape[0], 2 * first.shape[1]))
-            for expert, (codes, exponents) in enumerate(zip(blocks, scales)):
-                stacked[expert] = dequantize_mxfp4(codes.to(torch.uint8), exponents.to(torch.uint8), stacked.dtype)
-            dense[packed_pattern] = stacked
-        return dense
-
-
-class NarrowToHeads(ConversionOps):
-    """The released ``A_log`` is zero-padded to head_dim (architecture.md §3.2); the model keeps its [num_heads] head.
-
-    `match_checkpoint_tensors` has verified that the padded tail is zero.
-    """
-
-    def convert(self, input_dict, source_patterns, target_patterns, config=None, **kwargs):
-        (tensors,) = input_dict.values()
-        return {target_patterns[0]: tensors[0][: config.linear_attn_config["num_heads"]].clone()}
-
-
-def released_layout_transforms() -> list[WeightConverter | PrefixChange]:
-    """Load-only transforms from the released layout onto our parameters (architecture.md §3.1-3.3)."""
-    experts = r"block_sparse_moe\.experts.*."
-    return [
-        PrefixChange(prefix_to_remove=RELEASE_TEXT_PREFIX.removesuffix(".")),
-        WeightConverter(
-            source_patterns=[f"{experts}w{n}.weight_{part}" for n in (1, 3) for part in ("packed", "scale")],
-            target_patterns="block_sparse_moe.experts.gate_up_proj",
-            operations=[DequantizeMXFP4(), MergeModulelist(dim=0), Concatenate(dim=1)],
-        ),
-        WeightConverter(
-            source_patterns=[f"{experts}w2.weight_packed", f"{experts}w2.weight_scale"],
-            target_patterns="block_sparse_moe.experts.down_proj",
-            operations=[DequantizeMXFP4(), MergeModulelist(dim=0)],
-        ),
-        WeightConverter(
-            source_patterns=r"self_attn\.A_log", target_patterns="self_attn.A_log", operations=[NarrowToHeads()]
-        ),
-    ]
-
-
-class CheckpointEntry(NamedTuple):
-    path: str
-    shape: tuple[int, ...]
-    dtype: str  # safetensors name: "BF16", "F32", "U8", ...
-
-
-def read_safetensors_headers(shard_files: list[str]) -> dict[str, CheckpointEntry]:
-    """Shard, shape and dtype of every tensor of a (sharded) checkpoint, read from the headers only."""
-    entries = {}
-    for path in shard_files:
-        try:
-            with safe_open(path, framework="pt") as shard:
-                for name in shard.keys():
-                    tensor = shard.get_slice(name)
-                    entries[name] = CheckpointEntry(str(path), tuple(tensor.get_shape()), tensor.get_dtype())
-        except SafetensorError as error:
-            raise ValueError(f"Checkpoint shard {path} cannot be read (truncated or corrupted?): {error}") from error
-    return entries
-
-
-def read_checkpoint_tensor(entries: dict[str, CheckpointEntry], name: str) -> torch.Tensor:
-    with safe_open(entries[name].path, framework="pt") as shard:
-        return shard.get_tensor(name)
-
-
-def is_released_layout(names) -> bool:
-    """The release prefixes text tensors with `language_model.` and stores routed experts as MXFP4 `weight_packed`."""
-    return any(name.startswith(RELEASE_TEXT_PREFIX) or name.endswith(".weight_packed") for name in names)
-
-
-def _safetensors_entries(checkpoint_files: list[str] | None) -> dict[str, CheckpointEntry] | None:
-    if not checkpoint_files or not all(str(path).endswith(".safetensors") for path in checkpoint_files):
-        return None
-    return read_safetensors_headers(checkpoint_files)
-
-
-def verify_checkpoint_entries(model: "KimiK3PreTrainedModel", entries: dict[str, CheckpointEntry]) -> None:
-    """Refuse a checkpoint (either layout) that does not hold exactly ``model``'s tensors, naming each offender."""
-    match_checkpoint_tensors(entries, checkpoint_shapes(model, entries), partial(read_checkpoint_tensor, entries))
-
-
-def verify_checkpoint_files(model: "KimiK3PreTrainedModel", checkpoint_files: list[str]) -> None:
-    """`verify_checkpoint_entries` for safetensors shards on disk, e.g. a Trainer checkpoint about to be resumed."""
-    verify_checkpoint_entries(model, read_safetensors_headers(checkpoint_files))
-
-
-def _refuse_incomplete_load(loading_info) -> None:
-    """What the header check cannot see (an in-memory ``state_dict``, failed conversions) is refused after loading."""
-    problems = [f"missing {name}" for name in sorted(loading_info.missing_keys)]
-    problems += [f"{name}: {error.strip().splitlines()[-1]}" for name, error in loading_info.conversion_errors.items()]
-    if problems:
-        raise ValueError(_refusal(problems))
-
-
-def _refusal(problems: list[str]) -> str:
-    listed = "; ".join(problems[:_MAX_REPORTED_PROBLEMS])
-    more = len(problems) - _MAX_REPORTED_PROBLEMS
-    return (
-        f"Refusing the checkpoint: {len(problems)} text tensor(s) do not match the model: {listed}"
-        + (f"; ... and {more} more" if more > 0 else "")
-        + " (from_pretrained(..., strict=False) loads it anyway, initialising what is missing)."
-    )
-
-
-def _unfused_expert_shapes(name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
-    """Fused experts -> one checkpoint tensor per expert: gate_up_proj[e] = [w1; w3], down_proj[e] = w2."""
-    stem, _, leaf = name.rpartition(".")
-    if stem.endswith(".experts") and leaf == "gate_up_proj":
-        num_experts, gate_and_up, latent = shape
-        return {f"{stem}.{e}.w{n}.weight": (gate_and_up // 2, latent) for e in range(num_experts) for n in (1, 3)}
-    if stem.endswith(".experts") and leaf == "down_proj":
-        num_experts, latent, intermediate = shape
-        return {f"{stem}.{e}.w2.weight": (latent, intermediate) for e in range(num_experts)}
-    return {name: shape}
-
-
-def checkpoint_shapes(model: KimiK3PreTrainedModel, stored_names=()) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of our checkpoint layout for ``model``: KimiK3ForCausalLM names, per-expert w1/w3/w2
-    (fused expert tensors that ``stored_names`` holds, as ``save_pretrained(save_original_format=False)`` writes them,
-    keep their fused name)."""
-    prefix = "model." if isinstance(model, KimiK3Model) else ""
-    shapes = {}
-    for name, tensor in model.state_dict().items():
-        name, shape = prefix + name, tuple(tensor.shape)
-        shapes.update({name: shape} if name in stored_names else _unfused_expert_shapes(name, shape))
-    if model.config.tie_word_embeddings:
-        shapes.pop("lm_head.weight", None)  # stored once, as the embedding
-    else:
-        shapes.setdefault("lm_head.weight", (model.config.vocab_size, model.config.hidden_size))
-    return shapes
-
-
-def match_checkpoint_tensors(
-    entries: dict[str, CheckpointEntry],
-    expected: dict[str, tuple[int, ...]],
-    read_tensor: Callable[[str], torch.Tensor],
-) -> dict[str, tuple[str, ...]]:
-    """Match a checkpoint in either layout against ``expected`` (`checkpoint_shapes`); refuse it, naming every
-    offending tensor, unless each text tensor is present with its shape and a floating-point dtype (MXFP4 pairs:
-    uint8, with scales that decode to finite values) and nothing else is.
-
-    Returns, for each expected name, the stored tensors that hold it: itself, or (weight_packed, weight_scale).
-    An expert counts as MXFP4 exactly when its `weight_packed` exists; the release's `quantization_config.ignore`
-    list is incomplete (architecture.md §3.3). A longer 1-D `A_log` must be zero past num_heads (§3.2).
-    Vision and projector tensors are skipped, with one log line.
-    """
-    prefix = RELEASE_TEXT_PREFIX if any(name.startswith(RELEASE_TEXT_PREFIX) for name in entries) else ""
-    skipped = Counter(p for name in entries for p in RELEASE_MULTIMODAL_PREFIXES if name.startswith(p))
-    if skipped:
-        counts = ", ".join(f"{skipped[p]} {p}* tensors" for p in RELEASE_MULTIMODAL_PREFIXES if skipped[p])
-        logger.warning(f"Skipping the multimodal part of the checkpoint (the text model has no use for it): {counts}.")
-    unclaimed = {name for name in entries if not name.startswith(RELEASE_MULTIMODAL_PREFIXES)}
-    sources, problems = {}, []
-    for name, shape in expected.items():
-        key = prefix + name
-        if ROUTED_EXPERT_WEIGHT.search(name) and f"{key}_packed" in entries:
-            stored = (f"{key}_packed", f"{key}_scale")
-            problems += _mxfp4_problems(entries, stored, shape, read_tensor)
-        elif key in entries:
-            stored = (key,)
-            problems += _shape_problems(entries[key], key, shape, read_tensor)
-        else:
-            problems.append(f"missing {key} {list(shape)}")
-            continue
-        sources[name] = stored
-        unclaimed.difference_update(stored)
-    problems += [f"unexpected {name} {list(entries[name].shape)}" for name in sorted(unclaimed)]
-    if problems:
-        raise ValueError(_refusal(problems))
-    return sources
-
-
-def _mxfp4_problems(entries, stored: tuple[str, str], shape: tuple[int, ...], read_tensor) -> list[str]:
-    rows, columns = shape
-    wanted = dict(zip(stored, [(rows, columns // 2), (rows, columns // MXFP4_GROUP_SIZE)]))
-    problems = []
-    for name, want in wanted.items():
-        entry = entries.get(name)
-        if entry is None:
-            problems.append(f"missing {name} {list(want)}")
-        elif entry.shape != want or entry.dtype != "U8":
-            problems.append(f"{name}: expected U8 {list(want)}, found {entry.dtype} {list(entry.shape)}")
-    return problems or _nonfinite_scale_problems(stored, read_tensor)
-
-
-def _nonfinite_scale_problems(stored: tuple[str, str], read_tensor) -> list[str]:
-    """E8M0 byte 255 is NaN, and a byte >= 253 times a large E2M1 code overflows fp32 and bf16."""
-    packed, scale = stored
-    scales = read_tensor(scale)
-    if int(scales.max()) < _FIRST_OVERFLOWING_SCALE:
-        return []
-    dense = dequantize_mxfp4(read_tensor(packed), scales, torch.float32)
-    bad_groups = ~torch.isfinite(dense.view(*scales.shape, MXFP4_GROUP_SIZE)).all(-1)
-    if not bad_groups.any():
-        return []
-    nan_scales = int((scales == 255).sum())
-    return [
-        f"{scale}: {int(bad_groups.sum())} group(s) decode to non-finite values (E8M0 scale byte 255 = NaN in "
-        f"{nan_scales} group(s), largest byte {int(scales.max())})"
-    ]
-
-
-def _shape_problems(entry: CheckpointEntry, key: str, shape: tuple[int, ...], read_tensor) -> list[str]:
-    if entry.dtype not in _FLOAT_DTYPES:
-        return [f"{key}: stored as {entry.dtype}, expected a floating-point dtype {list(_FLOAT_DTYPES)}"]
-    if key.endswith("A_log") and len(entry.shape) == 1 and entry.shape[0] > shape[0]:
-        tail = read_tensor(key)[shape[0] :]
-        if tail.any():
-            return [
-                f"{key}: stored zero-padded to {entry.shape[0]}, but entries {shape[0]}..{entry.shape[0] - 1} are not "
-                f"zero (max |x| = {tail.abs().max().item():.4g}); the model has {shape[0]} heads"
-            ]
-        return []
-    return [] if entry.shape == shape else [f"{key}: expected shape {list(shape)}, found {list(entry.shape)}"]
-
-
-def _released_expert_layout() -> list[WeightConverter]:
-    """Released per-expert ``experts.{e}.w1/w3/w2.weight`` <-> fused 3-D ``gate_up_proj``/``down_proj``."""
-    return [
-        WeightConverter(
-            source_patterns=[r"block_sparse_moe\.experts.*.w1.weight", r"block_sparse_moe\.experts.*.w3.weight"],
-            target_patterns=r"block_sparse_moe.experts.gate_up_proj",
-            operations=[MergeModulelist(dim=0), Concatenate(dim=1)],
-        ),
-        WeightConverter(
-            source_patterns=r"block_sparse_moe\.experts.*.w2.weight",
-            target_patterns=r"block_sparse_moe.experts.down_proj",
-            operations=[MergeModulelist(dim=0)],
-        ),
-    ]
-
-
-# Registered under our own class names (never a native model type); `overwrite` because this file can be executed
-# twice in one process (installed module and a `transformers_modules` copy).
-for _class_name in ("KimiK3ForCausalLM", "KimiK3Model"):
-    register_checkpoint_conversion_mapping(_class_name, _released_expert_layout(), overwrite=True)
-
+register_expert_layout("KimiK3ForCausalLM", "KimiK3Model")
 KimiK3Model.register_for_auto_class("AutoModel")
 KimiK3ForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 

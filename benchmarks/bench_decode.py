@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from benchmarks.common import bench_arguments, report, time_interleaved  # noqa: E402
 import torch  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
-from modeling_kimi_k3 import KimiK3ForCausalLM  # noqa: E402
+from modeling_kimi_k3 import CACHE_FIELD, KimiK3ForCausalLM  # noqa: E402
 
 FULL_CONTEXTS = (128, 512, 2048)
 QUICK_CONTEXTS = (128, 512)
@@ -40,7 +40,7 @@ def _tensor_bytes(value) -> int:
 
 def prefill(model: KimiK3ForCausalLM, input_ids: torch.Tensor):
     with torch.no_grad():
-        return model(input_ids=input_ids, use_cache=True, logits_to_keep=1).past_key_values
+        return getattr(model(input_ids=input_ids, use_cache=True, logits_to_keep=1), CACHE_FIELD)
 
 
 def decode_case(model: KimiK3ForCausalLM, context: int, repeats: int) -> dict:
@@ -51,7 +51,7 @@ def decode_case(model: KimiK3ForCausalLM, context: int, repeats: int) -> dict:
     def with_cache():
         cache = copy.deepcopy(prefilled)  # decoding mutates the cache; the copy is < 1% of a step
         for position in range(context, context + NEW_TOKENS):
-            model(input_ids=input_ids[:, position : position + 1], past_key_values=cache, use_cache=True)
+            model(input_ids=input_ids[:, position : position + 1], cache=cache, use_cache=True)
 
     def recompute():
         model(input_ids=input_ids[:, : context + 1], use_cache=False, logits_to_keep=1)

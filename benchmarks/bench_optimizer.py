@@ -7,8 +7,9 @@
     - torch.optim.Muon(adjust_lr_fn="match_rms_adamw") on the 2-D Muon matrices, AdamW on everything else
       (including the 3-D experts, which torch's Muon rejects);
     - AdamW, fused (the Trainer default);
-    - Newton–Schulz alone on PerHeadMuon's blocks, and the floor any exact NS5 has here: its FLOPs at the bf16
-      matmul rate of the same block shapes, measured in the run.
+    - PerHeadMuon with its Newton–Schulz in fp32 and in bf16 (``ns_dtype``), and Newton–Schulz alone on its blocks;
+    - the floor any exact NS5 has here in each dtype: its FLOPs at the matmul rate of the same block shapes in that
+      dtype, measured in the run.
 (b) ``transformers.Trainer`` with PerHeadMuon and with the Trainer's AdamW for the same steps on byte-level text of
     Python's own documentation (``pydoc_data.topics``), same init and data order, printing the final eval losses.
     The learning rates were tuned once with ``--sweep`` at the defaults (final eval loss; best in brackets):
@@ -28,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 # benchmarks.common first: it sets the OpenMP wait policy before torch is loaded.
-from benchmarks.common import render_markdown, time_interleaved  # noqa: E402
+from benchmarks.common import report, time_interleaved  # noqa: E402
 import torch  # noqa: E402
 from pydoc_data.topics import topics  # noqa: E402
 from transformers import PrinterCallback, ProgressCallback, Trainer, TrainingArguments  # noqa: E402
@@ -42,6 +43,7 @@ from kimi_k3.muon import (  # noqa: E402
     row_pattern,
     split_row_blocks,
 )
+from kimi_k3.precision import cpu_has_native_bf16  # noqa: E402
 from modeling_kimi_k3 import KimiK3ForCausalLM  # noqa: E402
 
 TUNED_LR = {"PerHeadMuon": 3e-3, "AdamW": 3e-3}
@@ -59,10 +61,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--eval-sequences", type=int, default=64, help="held-out sequences for the eval loss")
     parser.add_argument("--sweep", action="store_true", help="run the learning-rate grid of (b) instead")
     parser.add_argument("--skip-timing", action="store_true", help="only run (b)")
+    parser.add_argument("--skip-training", action="store_true", help="only run (a)")
     return parser.parse_args()
 
 
 # ------------------------------------------------------------------------------------------------ (a) step time
+
+
+# bf16 candidates only where bf16 matmuls are native: emulated, one bf16 step of the default model takes minutes.
+NS_DTYPES = {"fp32": torch.float32, **({"bf16": torch.bfloat16} if cpu_has_native_bf16() else {})}
 
 
 def step_time_optimizers(model: KimiK3ForCausalLM) -> dict[str, list[torch.optim.Optimizer]]:
@@ -72,8 +79,9 @@ def step_time_optimizers(model: KimiK3ForCausalLM) -> dict[str, list[torch.optim
     matrix_ids = {id(p) for p in muon_matrices}
     others = [p for p in model.parameters() if id(p) not in matrix_ids]
     return {
-        "PerHeadMuon": [PerHeadMuon(groups, betas=BETAS)],
-        "PerHeadMuon, whole q/k/v": [PerHeadMuon(whole, betas=BETAS)],
+        **{f"PerHeadMuon, NS in {name}": [PerHeadMuon(groups, betas=BETAS, ns_dtype=dtype)]
+           for name, dtype in NS_DTYPES.items()},
+        "PerHeadMuon, whole q/k/v (auto NS dtype)": [PerHeadMuon(whole, betas=BETAS)],
         "torch Muon (2-D) + AdamW": [
             torch.optim.Muon(muon_matrices, weight_decay=WEIGHT_DECAY, adjust_lr_fn="match_rms_adamw"),
             torch.optim.AdamW(others, weight_decay=WEIGHT_DECAY, betas=BETAS, fused=True),
@@ -97,9 +105,9 @@ def newton_schulz_flops(stacks: list[torch.Tensor]) -> float:
     return total
 
 
-def bf16_block_matmul(stacks: list[torch.Tensor]) -> tuple[Callable, float]:
-    """One X·Xᵀ over all blocks in bf16, grouped by shape as NS5 runs it, and its FLOPs: the rate NS5 can reach."""
-    batches = [torch.cat([s.bfloat16() for s in stacks if s.shape[1:] == shape]) for shape in {s.shape[1:] for s in stacks}]
+def block_matmul_probe(stacks: list[torch.Tensor], dtype: torch.dtype) -> tuple[Callable, float]:
+    """One X·Xᵀ over all blocks in ``dtype``, grouped by shape as NS5 runs it, and its FLOPs: the rate NS5 can reach."""
+    batches = [torch.cat([s.to(dtype) for s in stacks if s.shape[1:] == shape]) for shape in {s.shape[1:] for s in stacks}]
     batches = [batch.mT if batch.shape[-2] > batch.shape[-1] else batch for batch in batches]
     flops = sum(2.0 * b.shape[0] * b.shape[-2] ** 2 * b.shape[-1] for b in batches)
     return (lambda: [b @ b.mT for b in batches]), flops
@@ -116,27 +124,39 @@ def run(quick: bool = False, repeats: int | None = None) -> dict:
         for optimizer in optimizers:  # the first step allocates the state
             optimizer.step()
         candidates[name] = lambda optimizers=optimizers: [optimizer.step() for optimizer in optimizers]
-    stacks = newton_schulz_blocks(optimizers_by_name["PerHeadMuon"][0])
-    candidates["Newton-Schulz alone (PerHeadMuon's blocks)"] = lambda: orthogonalize_by_shape(stacks)
-    gram, gram_flops = bf16_block_matmul(stacks)
-    candidates["bf16 X·Xᵀ of the same blocks (rate probe)"] = gram
+    stacks = newton_schulz_blocks(optimizers_by_name["PerHeadMuon, NS in fp32"][0])
+    probe_flops = {}
+    for name, dtype in NS_DTYPES.items():
+        candidates[f"Newton-Schulz alone, {name}"] = lambda dtype=dtype: orthogonalize_by_shape(stacks, dtype)
+        candidates[f"probe: {name} X·Xᵀ of the same blocks"], probe_flops[name] = block_matmul_probe(stacks, dtype)
     seconds = time_interleaved(candidates, repeats=repeats)
     adamw = seconds["AdamW (fused)"]
-    rate = gram_flops / seconds.pop("bf16 X·Xᵀ of the same blocks (rate probe)")
-    floor = newton_schulz_flops(stacks) / rate
-    rows = [{"optimizer": name, "step ms": value * 1e3, "÷ AdamW": value / adamw} for name, value in seconds.items()]
-    rows.append({"optimizer": "floor: NS5 FLOPs at the probed bf16 rate", "step ms": floor * 1e3, "÷ AdamW": floor / adamw})
+    ns_flops = newton_schulz_flops(stacks)
+    rates = {name: flops / seconds.pop(f"probe: {name} X·Xᵀ of the same blocks") for name, flops in probe_flops.items()}
+    floors = {name: ns_flops / rate for name, rate in rates.items()}
+    rows = []
+    for name, value in seconds.items():
+        dtype = next((d for d in NS_DTYPES if name.endswith(f" {d}")), None)
+        rows.append({"optimizer": name, "step ms": value * 1e3, "÷ AdamW": value / adamw,
+                     "÷ NS floor, same dtype": value / floors[dtype] if dtype else None})
+    for name, floor in floors.items():
+        rows.append({"optimizer": f"floor: NS5 FLOPs at the probed {name} rate", "step ms": floor * 1e3,
+                     "÷ AdamW": floor / adamw, "÷ NS floor, same dtype": 1.0})
+    auto = PerHeadMuon(build_param_groups(model)).ns_dtype
     millions = sum(p.numel() for p in model.parameters()) / 1e6
     return {
         "title": f"P4 - optimizer step, default KimiK3Config() ({millions:.1f}M parameters), random gradients",
-        "tables": [{"caption": "", "columns": ["optimizer", "step ms", "÷ AdamW"], "rows": rows}],
+        "tables": [{"caption": "", "columns": ["optimizer", "step ms", "÷ AdamW", "÷ NS floor, same dtype"],
+                    "rows": rows}],
         "notes": [
-            f"Newton–Schulz: {sum(s.shape[0] for s in stacks):,} blocks, {newton_schulz_flops(stacks) / 1e9:.0f} GFLOP "
-            f"per step; bf16 block matmuls ran at {rate / 1e9:.0f} GFLOP/s here.",
+            f"Newton–Schulz: {sum(s.shape[0] for s in stacks):,} blocks, {ns_flops / 1e9:.0f} GFLOP per step; block "
+            f"matmuls ran at {', '.join(f'{rate / 1e9:.0f} GFLOP/s in {name}' for name, rate in rates.items())} here "
+            "(bf16 is left out where it is emulated). PerHeadMuon's default (ns_dtype='auto') picks "
+            f"{str(auto).removeprefix('torch.')} on this machine.",
             "AdamW is memory-bound (a few passes over the parameters); Muon adds O(rows) FLOPs per parameter. The floor "
-            "row is what NS5's matmuls cost at the probed rate; only kernels PyTorch does not offer (batched symmetric "
-            "products for X·Xᵀ and A·A, about a third fewer FLOPs) or a faster matmul could go below it.",
-            "Target: <= 1.5x AdamW.",
+            "rows are what NS5's matmuls cost at the probed rates; only kernels PyTorch does not offer (batched "
+            "symmetric products for X·Xᵀ and A·A, about a third fewer FLOPs) or a faster matmul could go below them.",
+            "Targets: a PerHeadMuon step <= 1.5x the NS floor of its dtype; <= 1.5x AdamW (below the floor here).",
         ],
     }
 
@@ -219,9 +239,10 @@ def training_table(args: argparse.Namespace, learning_rates: dict[str, tuple[flo
 def main() -> None:
     args = parse_args()
     if not args.skip_timing and not args.sweep:
-        print(render_markdown("optimizer", run(repeats=args.repeats)), flush=True)
-    grid = LR_GRID if args.sweep else {name: (lr,) for name, lr in TUNED_LR.items()}
-    print(training_table(args, grid))
+        report("optimizer", run(repeats=args.repeats))
+    if not args.skip_training:
+        grid = LR_GRID if args.sweep else {name: (lr,) for name, lr in TUNED_LR.items()}
+        print(training_table(args, grid))
 
 
 if __name__ == "__main__":

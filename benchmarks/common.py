@@ -23,6 +23,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from kimi_k3.precision import cpu_has_native_bf16  # noqa: E402
+
 
 def time_interleaved(
     candidates: dict[str, Callable[[], object]], repeats: int = 3, warmup: int = 1, slot_seconds: float = 0.25
@@ -81,6 +83,11 @@ def machine_description() -> dict:
         pass
     return {
         "cpu": cpu,
+        # bf16 matmuls are native only with AVX-512-BF16 or AMX: elsewhere they run 15-100x slower than fp32.
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "avx512_bf16": torch.cpu._is_avx512_bf16_supported(),
+        "amx": torch.cpu._is_amx_tile_supported(),
+        "native_bf16_matmul": cpu_has_native_bf16(),
         "logical_cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -127,13 +134,26 @@ def bench_arguments(description: str, extra: Callable[[argparse.ArgumentParser],
 
 def report(name: str, result: dict, json_path: Path | None = None) -> None:
     """Print one benchmark's tables and optionally save ``{"machine", name: result}`` as JSON."""
+    result.setdefault("machine", machine_summary(machine_description()))
     print(render_markdown(name, result))
     if json_path is not None:
         json_path.write_text(json.dumps({"machine": machine_description(), name: result}, indent=2))
 
 
+def machine_summary(machine: dict) -> str:
+    """The one line printed under every table: what the figures were measured on."""
+    bf16 = "native bf16" if machine["native_bf16_matmul"] else "bf16 emulated (slow)"
+    return (
+        f"Measured on {machine['cpu']} ({machine['cpu_capability']}, {bf16}), {machine['torch_threads']} threads, "
+        f"torch {machine['torch']}, transformers {machine['transformers']}, {machine['date']}, "
+        f"load average {machine['load_average_1m']:.2f} at the start."
+    )
+
+
 def render_markdown(name: str, result: dict) -> str:
     parts = [f"### {result.get('title', name)}", ""]
+    if result.get("machine"):
+        parts += [f"_{result['machine']}_", ""]
     for table in result["tables"]:
         if table.get("caption"):
             parts += [table["caption"], ""]

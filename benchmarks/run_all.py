@@ -27,7 +27,7 @@ from benchmarks import (  # noqa: E402
     bench_router,
     bench_situ,
 )
-from benchmarks.common import bench_arguments, machine_description, render_markdown  # noqa: E402
+from benchmarks.common import bench_arguments, machine_description, machine_summary, render_markdown  # noqa: E402
 
 BENCHMARKS = {
     "kda": bench_kda,
@@ -57,7 +57,7 @@ def main() -> None:
     results = {"machine": machine, "quick": args.quick}
     for name in args.only:
         start = time.perf_counter()
-        result = BENCHMARKS[name].run(args.quick, args.repeats)
+        result = {"machine": machine_summary(machine_description()), **BENCHMARKS[name].run(args.quick, args.repeats)}
         result["seconds"] = time.perf_counter() - start
         results[name] = result
         print(render_markdown(name, result), flush=True)

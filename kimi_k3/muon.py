@@ -13,21 +13,34 @@ A Muon group may tag its parameters with
 
 Every block, of every parameter, that has the same shape goes through one batched Newton–Schulz chain.
 
-Under FSDP2 the parameters are ``DTensor`` shards along dim 0, and a shard boundary generally cuts through a head
-block (training.md §2.6). Momentum, decay and AdamW are elementwise and run on the shards as they are; only the
-Muon update is all-gathered before Newton–Schulz (see :func:`gather_whole_matrix`).
+Under torch.distributed, Newton–Schulz is split across the ranks (:mod:`kimi_k3.split_newton_schulz`): each rank
+orthogonalises about 1/N of the blocks and the results are exchanged, for replicated (DDP) parameters and for FSDP2
+``DTensor`` shards along dim 0, whose boundaries generally cut through a head block (training.md §2.6). Momentum,
+decay and AdamW are elementwise and run on the shards as they are. Every rank ends the step with bitwise the
+single-process update. :func:`newton_schulz_exchange_bytes` is the per-step communication of that scheme.
 """
 
+import functools
 import itertools
 import math
 import re
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.adamw import adamw
 
+from checkpoint_format_kimi_k3 import EXPERT_LAYOUT, expert_block_rows
+from kimi_k3.precision import matmul_dtype
 from kimi_k3.qk_clip import QKClip
+from kimi_k3.split_newton_schulz import (
+    ExchangePlan,
+    exchange_bytes,
+    orthogonalize_split,
+    plan_exchange,
+    split_domain,
+)
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
@@ -40,13 +53,15 @@ _MLA_QUERY_PROJS = ("q_b_proj", "q_proj")
 _LAYER_PARAM = re.compile(r"layers\.(\d+)\.self_attn\.(\w+)\.weight$")
 
 
-def zeropower_via_newton_schulz5(blocks, coefficients=NS_COEFFICIENTS, steps=NS_STEPS, eps=NS_EPS):
-    """Approximate polar factor U·S'·Vᵀ (S' ≈ 1) of every matrix in ``blocks`` [n, rows, cols], in bf16.
+def zeropower_via_newton_schulz5(blocks, coefficients=NS_COEFFICIENTS, steps=NS_STEPS, eps=NS_EPS,
+                                 dtype=torch.bfloat16):
+    """Approximate polar factor U·S'·Vᵀ (S' ≈ 1) of every matrix in ``blocks`` [n, rows, cols], computed in ``dtype``.
 
-    Each matrix is Frobenius-normalized on its own, which is what decouples the heads (training.md §2.3).
+    Each matrix is Frobenius-normalized on its own, which is what decouples the heads (training.md §2.3). NS5 only
+    needs S' near 1, so bf16 suffices where it is fast; fp32 gives the same update to bf16 tolerance.
     """
     a, b, c = coefficients
-    x = blocks.bfloat16()
+    x = blocks.to(dtype)
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
@@ -59,7 +74,7 @@ def zeropower_via_newton_schulz5(blocks, coefficients=NS_COEFFICIENTS, steps=NS_
 
 def row_pattern(group):
     """Rows of one block, repeated along the rows of every matrix of ``group`` (one entry per block of a head)."""
-    rows = group["head_rows"] if group["head_rows"] is not None else group["expert_rows"]
+    rows = group["head_rows"] if group.get("head_rows") is not None else group.get("expert_rows")
     return (rows,) if isinstance(rows, int) else rows
 
 
@@ -87,29 +102,62 @@ def merge_row_blocks(blocks, pattern, shape):
 
 
 def gather_whole_matrix(update):
-    """An FSDP2-sharded (``DTensor``) update all-gathered into a replicated ``DTensor``; a plain tensor as it is.
+    """A sharded (``DTensor``) update all-gathered into a replicated ``DTensor``; a plain tensor as it is.
 
-    Newton–Schulz then runs on whole head/expert blocks, redundantly on every rank, and adding the replicated
-    update to the sharded parameter keeps each rank's rows locally, without communication. Given the same
-    gradients the result is bitwise the single-process update.
+    The path of updates whose Newton–Schulz cannot be split (``split_newton_schulz=False``, or a layout other than
+    replicated or dim-0 sharded over a 1-D mesh): every rank orthogonalises every block, and adding the replicated
+    update to the sharded parameter keeps each rank's rows locally. Bitwise the single-process update.
     """
     if isinstance(update, DTensor):
         return update.redistribute(placements=[Replicate()] * update.device_mesh.ndim)
     return update
 
 
-def orthogonalize_by_shape(stacks):
-    """Run NS5 once per distinct block shape over all ``stacks`` of that shape; returns outputs in input order."""
+def orthogonalize_by_shape(stacks, dtype=torch.bfloat16):
+    """Run NS5 in ``dtype`` once per distinct block shape over all ``stacks`` of that shape, in input order."""
     by_shape = defaultdict(list)
     for index, stack in enumerate(stacks):
         by_shape[tuple(stack.shape[1:])].append(index)
     outputs = [None] * len(stacks)
     for indices in by_shape.values():
-        batch = torch.cat([stacks[i].bfloat16() for i in indices])  # cast first: half the bytes to copy
-        pieces = zeropower_via_newton_schulz5(batch).split([stacks[i].shape[0] for i in indices])
+        batch = torch.cat([stacks[i].to(dtype) for i in indices])  # cast first: bf16 halves the bytes to copy
+        pieces = zeropower_via_newton_schulz5(batch, dtype=dtype).split([stacks[i].shape[0] for i in indices])
         for index, piece in zip(indices, pieces):
             outputs[index] = piece
     return outputs
+
+
+def orthogonalize_whole(updates, patterns, dtypes, orthogonalize):
+    """Every block on this process: per update, (orthogonalised update of its shape, alpha scale)."""
+    updates = [gather_whole_matrix(update) for update in updates]
+    stacks = [split_row_blocks(update, pattern) for update, pattern in zip(updates, patterns)]
+    orthogonal = iter(orthogonalize([stack for per_param in stacks for stack in per_param]))
+    results = []
+    for update, pattern, dtype, per_param in zip(updates, patterns, dtypes, stacks):
+        blocks = [block for _, block in zip(per_param, orthogonal)]
+        scales = {_match_rms_scale(block) for block in blocks}
+        if len(scales) == 1:  # one scale for all blocks: it goes into the fp32 add, no scaled copies
+            scale = scales.pop()
+        else:
+            blocks, scale = [block.to(dtype) * _match_rms_scale(block) for block in blocks], 1.0
+        results.append((merge_row_blocks(blocks, pattern, update.shape), scale))
+    return results
+
+
+def newton_schulz_exchange_bytes(shapes, patterns, world_size, sharded, itemsize=torch.bfloat16.itemsize):
+    """(bytes sent, bytes received) per rank and optimizer step by split Newton–Schulz, for Muon parameters of global
+    ``shapes`` with block ``patterns`` (``row_pattern`` of their groups; None = whole matrices), replicated (DDP)
+    or dim-0 sharded (FSDP2) over ``world_size`` ranks. See :mod:`kimi_k3.split_newton_schulz` for the scheme.
+    ``itemsize`` is that of the optimizer's ``ns_dtype``: bf16 (2) by default, fp32 (4) where bf16 is emulated."""
+    return exchange_bytes(plan_exchange(shapes, patterns, world_size, sharded, NS_STEPS), itemsize)
+
+
+def muon_shapes_and_patterns(param_groups):
+    """Global shapes and block patterns of every Muon parameter of ``param_groups`` (an optimizer's, or those of
+    :func:`build_param_groups`), in step order: the arguments of :func:`newton_schulz_exchange_bytes`."""
+    pairs = [(tuple(p.shape), row_pattern(group)) for group in param_groups if group.get("use_muon", True)
+             for p in group["params"]]
+    return [shape for shape, _ in pairs], [pattern for _, pattern in pairs]
 
 
 class PerHeadMuon(torch.optim.Optimizer):
@@ -124,10 +172,19 @@ class PerHeadMuon(torch.optim.Optimizer):
     :meth:`for_model`) runs after every step: the clip is part of the K2/K3 update rule, so keeping it in ``step``
     makes it work in any training loop and fire exactly once per optimizer step. Parameters may be FSDP2 ``DTensor``
     shards (from ``accelerate``'s FSDP2 plugin or transformers' load-time sharding); the update is the same.
+
+    ``ns_dtype`` is the Newton–Schulz precision: ``"auto"`` (default) runs bf16 where the parameters' device
+    multiplies bf16 natively (CUDA, CPUs with AVX-512-BF16 or AMX) and fp32 elsewhere, where emulated bf16 would
+    be 15-100x slower; ``"bfloat16"`` or ``"float32"`` force one.
+
+    Under an initialised process group of several ranks Newton–Schulz is split across the ranks
+    (:mod:`kimi_k3.split_newton_schulz`), with plain parameters taken as replicated, as DDP keeps them;
+    ``split_newton_schulz=False`` makes every rank orthogonalise every block instead (e.g. for parameters that
+    differ between ranks). A single process is unaffected.
     """
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, betas=(0.9, 0.95),
-                 eps=1e-8, qk_clip=None):
+                 eps=1e-8, qk_clip=None, ns_dtype="auto", split_newton_schulz=True):
         if lr < 0:
             raise ValueError(f"`lr` must be >= 0, got {lr}.")
         if weight_decay < 0:
@@ -138,6 +195,10 @@ class PerHeadMuon(torch.optim.Optimizer):
                         use_muon=True, head_rows=None, expert_rows=None)
         super().__init__(params, defaults)
         self.qk_clip = qk_clip
+        first_param = next(p for group in self.param_groups for p in group["params"])
+        self.ns_dtype = matmul_dtype(ns_dtype, first_param.device)
+        self.split_newton_schulz = split_newton_schulz
+        self._plans: dict[tuple, ExchangePlan] = {}
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
@@ -145,7 +206,8 @@ class PerHeadMuon(torch.optim.Optimizer):
 
     @classmethod
     def for_model(cls, model, lr=1e-3, weight_decay=0.1, adamw_lr=None, adamw_betas=(0.9, 0.95), adamw_eps=1e-8,
-                  momentum=0.95, nesterov=True, split_kv=True, qk_clip_tau=None):
+                  momentum=0.95, nesterov=True, split_kv=True, qk_clip_tau=None, ns_dtype="auto",
+                  split_newton_schulz=True):
         """Build the optimizer for a Kimi K3 model with the parameter split of training.md §2.4.
 
         ``adamw_lr`` defaults to ``lr``: Moonlight RMS matching makes one lr fit both halves. ``split_kv=True``
@@ -157,7 +219,8 @@ class PerHeadMuon(torch.optim.Optimizer):
         groups = build_param_groups(model, weight_decay=weight_decay, adamw_lr=adamw_lr, split_kv=split_kv)
         qk_clip = None if qk_clip_tau is None else QKClip(model, qk_clip_tau)
         return cls(groups, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                   betas=adamw_betas, eps=adamw_eps, qk_clip=qk_clip)
+                   betas=adamw_betas, eps=adamw_eps, qk_clip=qk_clip, ns_dtype=ns_dtype,
+                   split_newton_schulz=split_newton_schulz)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -175,18 +238,43 @@ class PerHeadMuon(torch.optim.Optimizer):
 
     def _muon_step(self, groups):
         jobs = [(p, group, row_pattern(group)) for group in groups for p in group["params"] if p.grad is not None]
-        updates = [gather_whole_matrix(self._nesterov_momentum(p, group)) for p, group, _ in jobs]
-        stacks = [split_row_blocks(update, pattern) for update, (_, _, pattern) in zip(updates, jobs)]
-        orthogonal = iter(orthogonalize_by_shape([stack for per_param in stacks for stack in per_param]))
-        for (p, group, pattern), per_param in zip(jobs, stacks):
-            blocks = [block for _, block in zip(per_param, orthogonal)]
-            scales = {_match_rms_scale(block) for block in blocks}
-            if len(scales) == 1:  # one scale for all blocks: it goes into the fp32 add, no scaled copies
-                scale = scales.pop()
-            else:
-                blocks, scale = [block.to(p.dtype) * _match_rms_scale(block) for block in blocks], 1.0
+        updates = [self._nesterov_momentum(p, group) for p, group, _ in jobs]
+        for (p, group, _), (update, scale) in zip(jobs, self._orthogonalize(jobs, updates)):
             p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.add_(merge_row_blocks(blocks, pattern, p.shape), alpha=-group["lr"] * scale)
+            p.add_(update, alpha=-group["lr"] * scale)
+
+    def _orthogonalize(self, jobs, updates):
+        """(orthogonalised update, alpha scale) per job: split across ranks where the layout allows, else whole."""
+        by_domain = defaultdict(list)
+        for index, update in enumerate(updates):
+            by_domain[split_domain(update) if self.split_newton_schulz else None].append(index)
+        results = [None] * len(jobs)
+        orthogonalize = functools.partial(orthogonalize_by_shape, dtype=self.ns_dtype)
+        for domain, indices in by_domain.items():
+            patterns = [jobs[i][2] for i in indices]
+            dtypes = [jobs[i][0].dtype for i in indices]
+            selected = [updates[i] for i in indices]
+            if domain is None:
+                outputs = orthogonalize_whole(selected, patterns, dtypes, orthogonalize)
+            else:
+                plan = self._plan(domain, selected, patterns)
+                outputs = orthogonalize_split(selected, patterns, dtypes, domain, plan, orthogonalize, self.ns_dtype,
+                                              _match_rms_scale_of_shape)
+            for index, output in zip(indices, outputs):
+                results[index] = output
+        return results
+
+    def _plan(self, domain, updates, patterns):
+        """The block assignment of ``domain`` for these shapes, computed once (every rank computes the same)."""
+        shapes = tuple(tuple(update.shape) for update in updates)
+        key = (domain, shapes, tuple(patterns))
+        if key not in self._plans:
+            world_size = dist.get_world_size(domain.group)
+            plan = plan_exchange(shapes, patterns, world_size, domain.sharded, NS_STEPS)
+            if domain.sharded:
+                _check_chunked_rows(updates, plan, dist.get_rank(domain.group))
+            self._plans[key] = plan
+        return self._plans[key]
 
     def _nesterov_momentum(self, p, group):
         state = self.state[p]
@@ -212,7 +300,24 @@ class PerHeadMuon(torch.optim.Optimizer):
 
 
 def _match_rms_scale(block):
-    return MATCH_RMS_ADAMW * math.sqrt(max(block.shape[-2:]))
+    return _match_rms_scale_of_shape(*block.shape[-2:])
+
+
+def _match_rms_scale_of_shape(rows, cols):
+    return MATCH_RMS_ADAMW * math.sqrt(max(rows, cols))
+
+
+def _check_chunked_rows(updates, plan, rank):
+    """Each rank's shard must be the rows ``torch.chunk`` gives it (FSDP2's dim-0 layout), or the exchange is wrong."""
+    for param, update in enumerate(updates):
+        lo, hi = plan.row_ranges[param][rank]
+        local_rows = math.prod(update.to_local().shape[:-1])
+        if local_rows != hi - lo:
+            raise ValueError(
+                f"A sharded Muon parameter of shape {tuple(update.shape)} holds {local_rows} rows on rank {rank}, not "
+                f"the {hi - lo} of torch.chunk along dim 0; pass split_newton_schulz=False to orthogonalise whole "
+                "matrices on every rank."
+            )
 
 
 def _check_group(group):
@@ -256,12 +361,10 @@ def build_param_groups(model, weight_decay=0.1, adamw_lr=None, split_kv=True):
             f"{type(model).__name__} with model_type={getattr(config, 'model_type', None)!r}."
         )
     head_rows = _head_rows_by_layer_type(config, split_kv)
-    expert_rows = {"gate_up_proj": config.moe_intermediate_size,
-                   "down_proj": config.routed_expert_hidden_size or config.hidden_size}
     by_tag, tagged_layer_types = defaultdict(list), set()
     for name, p in model.named_parameters():
         if p.requires_grad:
-            tag, layer_type = _group_tag(name, p, config, head_rows, expert_rows)
+            tag, layer_type = _group_tag(name, p, config, head_rows)
             by_tag[tag].append(p)
             tagged_layer_types.add(layer_type)
     _require_head_blocks(head_rows, set(config.layer_types) - tagged_layer_types)
@@ -282,7 +385,7 @@ def _head_rows_by_layer_type(config, split_kv):
     }
 
 
-def _group_tag(name, p, config, head_rows, expert_rows):
+def _group_tag(name, p, config, head_rows):
     """(hashable group keys, layer type whose head rows tag the parameter or None) of one named parameter."""
     if p.ndim < 2:
         return (("use_muon", False), ("weight_decay", 0.0)), None
@@ -295,8 +398,8 @@ def _group_tag(name, p, config, head_rows, expert_rows):
         if rows is not None:
             return (("use_muon", True), ("head_rows", rows)), layer_type
     module, weight = name.rsplit(".", 2)[-2:]
-    if p.ndim == 3 and module == "experts" and weight in expert_rows:
-        return (("use_muon", True), ("expert_rows", expert_rows[weight])), None
+    if p.ndim == 3 and module == "experts" and weight in EXPERT_LAYOUT:
+        return (("use_muon", True), ("expert_rows", expert_block_rows(weight, tuple(p.shape)))), None
     return (("use_muon", p.ndim == 2),), None
 
 

@@ -27,9 +27,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from checkpoint_format_kimi_k3 import (
+    MXFP4_GROUP_SIZE,
+    _power_of_two,
+    _smallest_fitting_exponents,
+    dequantize_mxfp4,
+    quantize_mxfp4,
+)
 from modeling_kimi_k3 import CompiledFunction
-
-from .mxfp4 import MXFP4_GROUP_SIZE, _power_of_two, _smallest_fitting_exponents, dequantize_mxfp4, quantize_mxfp4
 
 __all__ = [
     "ACTIVATION_FORMATS",

@@ -23,8 +23,7 @@ class QKClip:
 
     def __init__(self, model, tau):
         config = model.config
-        if not tau > 0:
-            raise ValueError(f"`qk_clip_tau` must be > 0, got {tau!r}.")
+        check_tau(tau)
         if not getattr(config, "record_attn_logit_max", False):
             raise ValueError(
                 "QK-Clip needs the recorded per-head max logits: build the model with "
@@ -37,12 +36,16 @@ class QKClip:
         self.nope = config.qk_nope_head_dim
         self.num_heads = config.num_attention_heads
 
+        self.latest_metrics: dict[str, float] = {}
+
     @torch.no_grad()
     def __call__(self):
-        gammas = clip_factors(self._pooled_logit_max(), self.tau)
+        maxima = self._pooled_logit_max()
+        gammas = clip_factors(maxima, self.tau)
         for attn, gamma in zip(self.layers, gammas):
             self._rescale_heads(attn, gamma)
             attn.attn_logit_max.fill_(-torch.inf)
+        self.latest_metrics = clip_metrics(maxima, self.tau)
 
     def _pooled_logit_max(self):
         """Max over every forward of the step and, under torch.distributed, over ranks.
@@ -69,6 +72,28 @@ class QKClip:
         return per_head.reshape(-1, 1)
 
 
+def check_tau(tau) -> None:
+    """A threshold QK-Clip can use: a finite or infinite number > 0 (NaN, 0 and negatives are refused)."""
+    if not (isinstance(tau, (int, float)) and tau > 0):
+        raise ValueError(f"`qk_clip_tau` must be a number > 0 (K2 used 100), got {tau!r}.")
+
+
+def clip_metrics(logit_max, tau) -> dict[str, float]:
+    """Statistics of one clip over the pooled per-head maxima [layers, heads]; empty when nothing was recorded.
+
+    ``max_logit_after`` is the largest max logit the same inputs give after the clip: a clipped head lands on tau.
+    """
+    recorded = logit_max[logit_max > -torch.inf]
+    if recorded.numel() == 0:
+        return {}
+    max_logit = recorded.max().item()
+    return {
+        "qk_clip/clipped_heads": int((recorded > tau).sum()),
+        "qk_clip/max_logit": max_logit,
+        "qk_clip/max_logit_after": min(max_logit, tau),
+    }
+
+
 def clip_factors(logit_max, tau):
     """gamma = tau / S where S > tau, exactly 1 elsewhere (so unclipped heads stay bitwise unchanged)."""
     return torch.where(logit_max > tau, tau / logit_max, torch.ones_like(logit_max))
@@ -92,18 +117,42 @@ def _query_up_proj(attn):
 
 
 class QKClipCallback(TrainerCallback):
-    """QK-Clip for a Trainer whose optimizer is not :class:`~kimi_k3.muon.PerHeadMuon` (e.g. the AdamW baseline).
+    """QK-Clip statistics in the Trainer's logs, and the clip itself when the optimizer does not clip.
 
-    ``PerHeadMuon.for_model(..., qk_clip_tau=tau)`` clips inside its own step. Using both is harmless, not useful:
-    the first clip resets the recorded maxima.
+    With :class:`~kimi_k3.muon.PerHeadMuon` built with ``qk_clip_tau`` the optimizer clips inside its own step and this
+    callback only reports it (``tau`` may then be omitted); with any other optimizer (e.g. the AdamW baseline) it
+    clips with ``tau`` after every optimizer step. The latest step's ``qk_clip/clipped_heads``, ``qk_clip/max_logit``
+    and ``qk_clip/max_logit_after`` join every training-loss log, like the load-balance metrics.
     """
 
-    def __init__(self, tau):
+    def __init__(self, tau=None):
+        if tau is not None:
+            check_tau(tau)
         self.tau = tau
         self.clip = None
+        self.clips_here = False
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self.clip = QKClip(model, self.tau)
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        own = getattr(_unwrapped(optimizer), "qk_clip", None)
+        if own is not None:
+            if self.tau is not None and self.tau != own.tau:
+                raise ValueError(f"QKClipCallback(tau={self.tau}) but the optimizer already clips with tau={own.tau}.")
+            self.clip, self.clips_here = own, False
+        elif self.tau is None:
+            raise ValueError("QKClipCallback needs `tau` when the optimizer does not clip (no `qk_clip` on it).")
+        else:
+            self.clip, self.clips_here = QKClip(model, self.tau), True
 
     def on_optimizer_step(self, args, state, control, **kwargs):
-        self.clip()
+        if self.clips_here:
+            self.clip()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is not None and "loss" in logs and self.clip is not None and self.clip.latest_metrics:
+            logs.update(self.clip.latest_metrics)
+            state.log_history[-1].update(self.clip.latest_metrics)
+
+
+def _unwrapped(optimizer):
+    """The optimizer inside accelerate's ``AcceleratedOptimizer`` wrapper (or the optimizer itself)."""
+    return getattr(optimizer, "optimizer", optimizer)

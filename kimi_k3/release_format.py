@@ -1,8 +1,8 @@
-"""Conversion between our ``save_pretrained`` layout and the released Kimi-K3 layout (architecture.md §1.1, §3).
+"""Streaming conversion of whole folders between our ``save_pretrained`` layout and the released Kimi-K3 layout.
 
-Released layout: a multimodal wrapper ``config.json`` whose text part is ``text_config``; text tensors under
-``language_model.``; routed experts as MXFP4 ``weight_packed``/``weight_scale`` pairs (`kimi_k3.mxfp4`); KDA
-``A_log`` zero-padded to head_dim. Ours: the flat `KimiK3Config`, ``model.*``/``lm_head.*``, one dense
+The formats themselves (released names and shapes, MXFP4, the expert layout, the strict matcher) are defined in
+``checkpoint_format_kimi_k3.py``, which ships with the model. Released: a multimodal wrapper ``config.json``,
+``language_model.`` text tensors, MXFP4 routed experts, zero-padded ``A_log``. Ours: the flat `KimiK3Config`, ``model.*``/``lm_head.*``, one dense
 ``experts.{e}.w1/w2/w3.weight`` per expert, ``A_log`` [num_heads].
 
 Both directions check the input with the loader's own rules (`match_checkpoint_tensors`), plan every output tensor
@@ -24,29 +24,24 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers.dynamic_module_utils import custom_object_save
 
-from configuration_kimi_k3 import AUTO_MAP, KimiK3Config
-from kimi_k3.mxfp4 import quantize_mxfp4
-from . import run_folder
-from modeling_kimi_k3 import (
-    MXFP4_GROUP_SIZE,
-    RELEASE_TEXT_PREFIX,
+from checkpoint_format_kimi_k3 import (
     ROUTED_EXPERT_WEIGHT,
     CheckpointEntry,
-    KimiK3ForCausalLM,
     checkpoint_shapes,
     dequantize_mxfp4,
     is_released_layout,
     match_checkpoint_tensors,
+    quantize_mxfp4,
     read_safetensors_headers,
+    released_config_dict,
+    released_tensor_shapes,
 )
+from configuration_kimi_k3 import KimiK3Config
+from modeling_kimi_k3 import KimiK3ForCausalLM
 
-__all__ = [
-    "DEFAULT_MAX_SHARD_BYTES",
-    "export_released",
-    "import_released",
-    "released_config_dict",
-    "released_tensor_shapes",
-]
+from . import run_folder
+
+__all__ = ["DEFAULT_MAX_SHARD_BYTES", "export_released", "import_released"]
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -58,79 +53,6 @@ _SAFETENSORS_DTYPES = {
     "F64": torch.float64,
     "U8": torch.uint8,
 }
-# The release's `quantization_config` (inside `text_config`, architecture.md §1.2): only routed experts are packed.
-_RELEASED_QUANTIZATION_CONFIG = {
-    "quant_method": "compressed-tensors",
-    "format": "mxfp4-pack-quantized",
-    "quantization_status": "compressed",
-    "config_groups": {
-        "group_0": {
-            "format": "mxfp4-pack-quantized",
-            "targets": ["Linear"],
-            "weights": {
-                "num_bits": 4,
-                "type": "float",
-                "symmetric": True,
-                "strategy": "group",
-                "group_size": MXFP4_GROUP_SIZE,
-                "scale_dtype": "torch.uint8",
-                "dynamic": False,
-                "observer": "minmax",
-            },
-            "input_activations": None,
-            "output_activations": None,
-        }
-    },
-    "ignore": [
-        "re:.*self_attn.*",
-        "re:.*shared_experts.*",
-        r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
-        "re:.*lm_head.*",
-        "re:.*vision_tower.*",
-        "re:.*mm_projector.*",
-    ],
-}
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Naming and config
-# ---------------------------------------------------------------------------------------------------------------------
-def released_tensor_shapes(name: str, shape: tuple[int, ...], config: KimiK3Config) -> dict[str, tuple[int, ...]]:
-    """The released tensors (name -> shape) that store our checkpoint tensor ``name`` (architecture.md §3.1-3.3)."""
-    key = RELEASE_TEXT_PREFIX + name
-    if ROUTED_EXPERT_WEIGHT.search(name):
-        rows, columns = shape
-        if columns % MXFP4_GROUP_SIZE:
-            raise ValueError(
-                f"{name} has {columns} input features; MXFP4 groups need a multiple of {MXFP4_GROUP_SIZE} "
-                "(routed_expert_hidden_size for w1/w3, moe_intermediate_size for w2)."
-            )
-        return {f"{key}_packed": (rows, columns // 2), f"{key}_scale": (rows, columns // MXFP4_GROUP_SIZE)}
-    if name.endswith(".A_log"):
-        # Zero-padded to head_dim (§3.2), never truncated.
-        return {key: (max(shape[0], config.linear_attn_config["head_dim"]),)}
-    return {key: shape}
-
-
-def released_config_dict(config: KimiK3Config) -> dict:
-    """The release's multimodal wrapper ``config.json`` around ``config`` as its ``text_config`` (§1.1-1.2)."""
-    text_config = config.to_dict()
-    for local in ("auto_map", "layer_types", "mlp_layer_types", "_name_or_path"):  # ours, derived or machine-local
-        text_config.pop(local, None)
-    text_config.update(
-        model_type="kimi_linear",
-        architectures=["KimiLinearForCausalLM"],
-        quantization_config=_RELEASED_QUANTIZATION_CONFIG,
-    )
-    shared = ("bos_token_id", "eos_token_id", "pad_token_id", "dtype", "tie_word_embeddings", "transformers_version")
-    return {
-        "architectures": ["KimiK3ForConditionalGeneration"],
-        "model_type": "kimi_k3",
-        # Our code, shipped beside the weights, reads this layout: the folder loads with trust_remote_code.
-        "auto_map": dict(AUTO_MAP),
-        **{key: text_config[key] for key in shared if key in text_config},
-        "text_config": text_config,
-    }
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -230,7 +152,7 @@ def _export_step(name, stored, shape, entries, read, config) -> _Step:
 
     def make() -> dict[str, torch.Tensor]:
         tensor = _model_tensor(read, stored, shape)
-        # Only A_log changes shape: zero padding at the end (architecture.md §3.2).
+        # Only A_log changes shape: zero padding at the end.
         return {key: tensor if released_shape == shape else F.pad(tensor, (0, released_shape[0] - shape[0]))}
 
     return _Step({key: (released_shape, dtype)}, make)
@@ -246,7 +168,7 @@ def _model_tensor(read, stored: tuple[str, ...], shape: tuple[int, ...], dtype=t
     if len(stored) == 2:
         return dequantize_mxfp4(read(stored[0]), read(stored[1]), dtype)
     tensor = read(stored[0])
-    if tuple(tensor.shape) != shape:  # A_log stored zero-padded (architecture.md §3.2)
+    if tuple(tensor.shape) != shape:  # A_log stored zero-padded
         tensor = tensor[: shape[0]]
     # safetensors hands out views of the mapped file: copy, so that no output keeps an input shard mapped.
     return tensor.clone()

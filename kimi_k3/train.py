@@ -22,8 +22,9 @@ from safetensors import safe_open
 from transformers import HfArgumentParser, Trainer, TrainerState, TrainingArguments, default_data_collator, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 
+from checkpoint_format_kimi_k3 import verify_checkpoint_files
 from configuration_kimi_k3 import KimiK3Config
-from modeling_kimi_k3 import KimiK3ForCausalLM, verify_checkpoint_files
+from modeling_kimi_k3 import KimiK3ForCausalLM
 
 from . import hub, run_folder
 from .balance_metrics import load_balance_metrics
@@ -31,13 +32,17 @@ from .data import DataError, load_corpus, tokenize_into_blocks
 from .distributed import load_full_state_dict
 from .model_card import TrainingSummary, render_model_card
 from .muon import PerHeadMuonFactory
+from .precision import PRECISION_CHOICES, warn_if_bf16_is_emulated
 from .qat import ACTIVATION_FORMATS, WEIGHT_FORMATS, attach_qat, check_mxfp4_widths, find_routed_experts
+from .qk_clip import QKClipCallback, check_tau
 from .quantile_balancing import QuantileBalancingCallback, find_routers
 from .release_format import checkpoint_shard_files, export_released
 from .tokenizer import check_tokenizer_fits, load_tokenizer, train_bpe_tokenizer
 
 OPTIMIZERS = ("per_head_muon", "adamw")
 FINAL_LAYOUTS = ("ours", "released")
+# K2's published QK-Clip threshold, which K3 keeps.
+DEFAULT_QK_CLIP_TAU = "100"
 FINAL_MODEL_DIR = "model"
 # Written into every checkpoint: what a resume compares its own global batch with.
 BATCH_FILE = "batch_size.json"
@@ -91,9 +96,19 @@ class ModelArguments:
         metadata={"help": "per_head_muon (Muon for matrices, AdamW for the rest) or adamw (TrainingArguments.optim).",
                   "choices": OPTIMIZERS},
     )
+    muon_ns_dtype: str = field(
+        default="auto",
+        metadata={"help": "Newton–Schulz precision of Per-Head Muon: auto (bf16 where the device multiplies bf16 "
+                          "natively, else fp32), bfloat16 or float32.", "choices": PRECISION_CHOICES},
+    )
     quantile_balancing: bool = field(
         default=True,
         metadata={"help": "Update the router bias with Quantile Balancing; --no_quantile_balancing only logs loads."},
+    )
+    qk_clip_tau: str = field(
+        default=DEFAULT_QK_CLIP_TAU,
+        metadata={"help": "QK-Clip threshold on every MLA head's max attention logit after each optimizer step "
+                          "(K2's 100); 0 or none turns QK-Clip off."},
     )
     qat: str | None = field(
         default=None,
@@ -320,13 +335,16 @@ def build_tokenizer(model_args: ModelArguments, train_texts: list[str], checkpoi
     return train_bpe_tokenizer(train_texts, model_args.tokenizer_vocab_size)
 
 
-def build_model(model_args: ModelArguments, tokenizer, checkpoint: str | None) -> KimiK3ForCausalLM:
+def build_model(model_args: ModelArguments, tokenizer, checkpoint: str | None,
+                qk_clip_tau: float | None) -> KimiK3ForCausalLM:
     """A new model sized by the tokenizer, the fine-tuned folder, or the resumed checkpoint's architecture.
 
     A resumed model gets its weights from Trainer's checkpoint loading, together with the optimizer state.
     """
     overrides = config_overrides(model_args.config_overrides)
     overrides["router_balancing"] = "quantile_balancing" if model_args.quantile_balancing else "none"
+    if qk_clip_tau is not None:
+        overrides["record_attn_logit_max"] = True  # the per-head max logits QK-Clip reads
     if checkpoint is not None:
         model = KimiK3ForCausalLM(KimiK3Config.from_pretrained(checkpoint, **overrides))
     elif model_args.model_name_or_path is not None:
@@ -340,6 +358,11 @@ def build_model(model_args: ModelArguments, tokenizer, checkpoint: str | None) -
         }
         model = KimiK3ForCausalLM(KimiK3Config(**{**token_ids, **overrides}))
     check_tokenizer_fits(tokenizer, model.config)
+    if qk_clip_tau is not None and not model.config.mla_layer_indices:
+        raise UsageError(
+            f"--qk_clip_tau {model_args.qk_clip_tau}: QK-Clip rescales MLA heads but the model has no MLA "
+            "(full_attention) layer; pass --qk_clip_tau none"
+        )
     return model
 
 
@@ -404,8 +427,26 @@ def describe_batch(batch: dict[str, int]) -> str:
     )
 
 
-def optimizer_and_callbacks(model_args: ModelArguments, training_args: TrainingArguments, model):
-    """Per-Head Muon through Trainer's optimizer-factory hook (or Trainer's own AdamW), and the balancing callback."""
+def parse_qk_clip_tau(value: str) -> float | None:
+    """--qk_clip_tau as a threshold > 0, or None (QK-Clip off) for ``0`` / ``none``."""
+    if value.strip().lower() == "none":
+        return None
+    try:
+        tau = float(value)
+        if tau != 0:
+            check_tau(tau)
+    except ValueError:
+        raise UsageError(
+            f"--qk_clip_tau must be a number > 0 (default {DEFAULT_QK_CLIP_TAU}), or 0 / none to turn QK-Clip off; "
+            f"got {value!r}"
+        ) from None
+    return tau or None
+
+
+def optimizer_and_callbacks(model_args: ModelArguments, training_args: TrainingArguments, model,
+                            qk_clip_tau: float | None):
+    """Per-Head Muon through Trainer's optimizer-factory hook (or Trainer's own AdamW), the balancing callback and
+    QK-Clip (inside Per-Head Muon's step, or as a callback after AdamW's), whose statistics join the logs."""
     optimizer_cls_and_kwargs = None
     if model_args.optimizer == "per_head_muon":
         optimizer_cls_and_kwargs = (
@@ -415,9 +456,13 @@ def optimizer_and_callbacks(model_args: ModelArguments, training_args: TrainingA
                 "weight_decay": training_args.weight_decay,
                 "adamw_betas": (training_args.adam_beta1, training_args.adam_beta2),
                 "adamw_eps": training_args.adam_epsilon,
+                "ns_dtype": model_args.muon_ns_dtype,
+                "qk_clip_tau": qk_clip_tau,
             },
         )
     callbacks = []
+    if qk_clip_tau is not None:
+        callbacks.append(QKClipCallback(None if optimizer_cls_and_kwargs else qk_clip_tau))
     if find_routers(model):
         update_rule = "quantile" if model_args.quantile_balancing else "none"
         callbacks.append(QuantileBalancingCallback(model, update_rule=update_rule, per_layer_metrics=False))
@@ -577,6 +622,8 @@ def main(argv: list[str] | None = None) -> int:
         model_args, data_args, training_args = parse_args(argv)
         check_batch_sizes(training_args)
         check_world_size(training_args)
+        warn_if_bf16_is_emulated(training_args.bf16, training_args.device)
+        qk_clip_tau = parse_qk_clip_tau(model_args.qk_clip_tau)
         run_folder.check_not_locked(training_args.output_dir)
         run_folder.check_writable(training_args.output_dir)
         publish = publish_settings(training_args)
@@ -587,13 +634,13 @@ def main(argv: list[str] | None = None) -> int:
             data_args.data_files, data_args.text_column, data_args.validation_split_percentage
         )
         tokenizer = build_tokenizer(model_args, splits["train"]["text"], checkpoint)
-        model = build_model(model_args, tokenizer, checkpoint)
+        model = build_model(model_args, tokenizer, checkpoint, qk_clip_tau)
         attach_expert_qat(model_args, model)
         check_block_size(data_args.block_size, model.config)
         if checkpoint is not None:
             check_resumable(model, checkpoint, training_args)
         blocks = tokenize_into_blocks(splits, tokenizer, data_args.block_size)
-        optimizer_cls_and_kwargs, callbacks = optimizer_and_callbacks(model_args, training_args, model)
+        optimizer_cls_and_kwargs, callbacks = optimizer_and_callbacks(model_args, training_args, model, qk_clip_tau)
         trainer = build_trainer(model, tokenizer, blocks, training_args, optimizer_cls_and_kwargs, callbacks)
         lock = claim_output_folder(trainer, checkpoint)
     except ValueError as error:

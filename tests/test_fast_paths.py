@@ -51,7 +51,7 @@ def test_kda_layer_prefill_equals_token_by_token_recurrence_fp64():
     hidden = torch.randn(2, 150, config.hidden_size, dtype=torch.float64)
     prefill, _ = layer(hidden)
     cache = DynamicCache(config=config)
-    steps = [layer(hidden[:, t : t + 1], past_key_values=cache)[0] for t in range(hidden.shape[1])]
+    steps = [layer(hidden[:, t : t + 1], cache=cache)[0] for t in range(hidden.shape[1])]
     assert (torch.cat(steps, dim=1) - prefill).abs().max() <= 1e-10
 
 

@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig
 from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
-from modeling_kimi_k3 import KimiK3ForCausalLM
+from modeling_kimi_k3 import CACHE_FIELD, KimiK3ForCausalLM
 from tests.conftest import tiny_config
 
 
@@ -82,9 +82,9 @@ def test_prefill_then_single_token_steps_match_one_full_forward(model):
     with torch.no_grad():
         full = model(ids).logits
         out = model(ids[:, :50], use_cache=True)
-        cache, steps = out.past_key_values, [out.logits]
+        cache, steps = getattr(out, CACHE_FIELD), [out.logits]
         for t in range(50, 70):
-            out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            out = model(ids[:, t : t + 1], cache=cache, use_cache=True)
             steps.append(out.logits)
     assert (torch.cat(steps, dim=1) - full).abs().max() <= 1e-5
 
@@ -94,15 +94,15 @@ def test_multi_token_continuation_matches_full_forward(model):
     with torch.no_grad():
         full = model(ids).logits
         first = model(ids[:, :23], use_cache=True)
-        second = model(ids[:, 23:], past_key_values=first.past_key_values, use_cache=True)
+        second = model(ids[:, 23:], cache=getattr(first, CACHE_FIELD), use_cache=True)
     assert (torch.cat([first.logits, second.logits], dim=1) - full).abs().max() <= 1e-5
 
 
 def test_forward_returns_a_hybrid_cache_and_none_without_cache(model):
     ids = torch.randint(3, 97, (1, 5))
     with torch.no_grad():
-        cache = model(ids, use_cache=True).past_key_values
-        assert model(ids, use_cache=False).past_key_values is None
+        cache = getattr(model(ids, use_cache=True), CACHE_FIELD)
+        assert getattr(model(ids, use_cache=False), CACHE_FIELD) is None
     assert isinstance(cache, DynamicCache)
     kinds = [type(layer) for layer in cache.layers]
     expected = [LinearAttentionLayer if t == "linear_attention" else DynamicLayer for t in model.config.layer_types]
@@ -125,7 +125,7 @@ def test_kda_cache_is_constant_and_mla_cache_grows_linearly(model):
     sizes = {}
     with torch.no_grad():
         for length in (16, 64, 256):
-            sizes[length] = cache_bytes(model(torch.randint(3, 97, (1, length)), use_cache=True).past_key_values)
+            sizes[length] = cache_bytes(getattr(model(torch.randint(3, 97, (1, length)), use_cache=True), CACHE_FIELD))
     assert sizes[16][0] == sizes[64][0] == sizes[256][0] > 0
     per_token = (sizes[256][1] - sizes[64][1]) / 192
     assert per_token == (sizes[64][1] - sizes[16][1]) / 48
@@ -141,9 +141,9 @@ def test_generation_beyond_max_positions_fails_clearly(model):
 
 def test_cache_from_another_batch_size_fails_clearly(model):
     with torch.no_grad():
-        cache = model(torch.randint(3, 97, (2, 6)), use_cache=True).past_key_values
+        cache = getattr(model(torch.randint(3, 97, (2, 6)), use_cache=True), CACHE_FIELD)
         with pytest.raises(ValueError, match="batch of 2"):
-            model(torch.randint(3, 97, (3, 1)), past_key_values=cache, use_cache=True)
+            model(torch.randint(3, 97, (3, 1)), cache=cache, use_cache=True)
 
 
 def test_mismatched_attention_mask_fails_clearly(model):
@@ -156,3 +156,18 @@ def test_generation_config_is_saved(tmp_path, model):
     model.generation_config = GenerationConfig(max_new_tokens=5, pad_token_id=0)
     model.save_pretrained(tmp_path)
     assert (tmp_path / "generation_config.json").exists()
+
+
+def test_cache_is_accepted_under_both_argument_names(model):
+    """transformers >= 5.24 passes `cache=`, earlier versions `past_key_values=`: both continue the same cache."""
+    ids = torch.randint(3, 97, (2, 12))
+    with torch.no_grad():
+        full = model(ids).logits[:, -1]
+        for name in ("cache", "past_key_values"):
+            prefix = getattr(model(ids[:, :-1], use_cache=True), CACHE_FIELD)
+            step = model(ids[:, -1:], use_cache=True, **{name: prefix})
+            assert (step.logits[:, -1] - full).abs().max() <= 1e-5
+            assert getattr(step, CACHE_FIELD) is prefix
+        prefix = getattr(model(ids[:, :-1], use_cache=True), CACHE_FIELD)
+        with pytest.raises(ValueError, match="not both"):
+            model(ids[:, -1:], cache=prefix, past_key_values=prefix)

@@ -25,7 +25,7 @@ from tests.test_train import generate_in_fresh_process, run_main, sampled_contin
 REPO = Path(__file__).resolve().parents[1]
 REPO_ID = "someone/kimi-k3-tiny"
 MODEL_FILES = {
-    "README.md", "config.json", "configuration_kimi_k3.py", "generation_config.json", "model.safetensors",
+    "README.md", "checkpoint_format_kimi_k3.py", "config.json", "configuration_kimi_k3.py", "generation_config.json", "model.safetensors",
     "modeling_kimi_k3.py", "tokenizer.json", "tokenizer_config.json",
 }  # fmt: skip
 

@@ -140,6 +140,27 @@ def test_mla_gate_reads_normed_input_and_halves_output_when_zero():
     torch.testing.assert_close(gated, 0.5 * ungated, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_mla_attention_output_reaches_the_gate_in_fp32_under_bf16_autocast(implementation):
+    """K3 keeps the attention output in FP32 in training; the gated product is cast to bf16 only by o_proj."""
+    model = build(attn_implementation=implementation).float().train()
+    attn = model.model.layers[3].self_attn
+    x = torch.randn(2, 11, model.config.hidden_size)
+    gated_inputs = []
+    attn.o_proj.register_forward_pre_hook(lambda module, args: gated_inputs.append(args[0]))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = attn(x, attention_mask=causal_mask(11).float())
+        queries = attn.project_queries(x)
+        keys, values = attn.expand_key_values(*attn.compress_key_values(x))
+        gate = torch.sigmoid(attn.g_proj(x))
+    assert out.dtype == torch.bfloat16 and gated_inputs[0].dtype == torch.float32
+    # The reference: fp32 attention over the bf16 projections, times the bf16 gate.
+    scores = (queries.float() @ keys.float().transpose(2, 3)) * attn.scaling + causal_mask(11).float()
+    reference = (scores.softmax(-1) @ values.float()).transpose(1, 2).reshape(2, 11, -1) * gate
+    torch.testing.assert_close(gated_inputs[0], reference, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(gated_inputs[0], gated_inputs[0].bfloat16().float())
+
+
 def test_mla_records_per_head_logit_max_only_in_training():
     model = build(record_attn_logit_max=True)
     attn = model.model.layers[3].self_attn

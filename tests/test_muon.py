@@ -150,9 +150,9 @@ def test_one_newton_schulz_chain_per_block_shape(monkeypatch):
     calls = []
     real = muon_module.zeropower_via_newton_schulz5
 
-    def counting(blocks):
+    def counting(blocks, **kwargs):
         calls.append(tuple(blocks.shape))
-        return real(blocks)
+        return real(blocks, **kwargs)
 
     monkeypatch.setattr(muon_module, "zeropower_via_newton_schulz5", counting)
     weights = [torch.nn.Parameter(torch.randn(shape)) for shape in ((32, 24), (32, 24), (4, 16, 24), (12, 7))]
@@ -289,6 +289,48 @@ def test_qk_clip_brings_head_max_logit_to_tau():
     torch.testing.assert_close(query[0, 8:], query_before[0, 8:] * 0.5)  # rope: gamma
 
 
+def test_large_query_scale_clips_its_head_to_tau_and_padded_query_rows_cannot_trigger_a_clip():
+    config = tiny_config(record_attn_logit_max=True)
+    model = KimiK3ForCausalLM(config).train()
+    tokens = torch.randint(3, config.vocab_size, (2, 16))
+    attention_mask = torch.ones_like(tokens)
+    attention_mask[1, 12:] = 0  # right padding: the last 4 query rows of sequence 1 are never attended from
+    attn = model.model.layers[config.mla_layer_indices[0]].self_attn
+    with torch.no_grad():
+        attn.q_b_proj.weight.view(2, 12, -1)[0] *= 4.0  # a deliberately large query scale on head 0
+
+    def recorded_maxima(scale_padded_queries):
+        def scale(module, inputs, output):
+            output[1, 12:] *= scale_padded_queries
+
+        attn.attn_logit_max.fill_(-torch.inf)
+        handle = attn.q_b_proj.register_forward_hook(scale)
+        model(input_ids=tokens, attention_mask=attention_mask)
+        handle.remove()
+        return attn.attn_logit_max.clone()
+
+    plain = recorded_maxima(1.0)
+    # Padded query rows 100x larger: a head's max covers real rows only, so it is bitwise the plain forward's.
+    assert torch.equal(recorded_maxima(100.0), plain)
+    tau = plain[0].item() / 2  # S_0 = 2 tau, S_1 <= tau
+    assert plain[1] <= tau
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    clip = QKClip(model, tau)
+    clip()  # on the maxima of the forward with 100x padded query rows
+    assert clip.latest_metrics["qk_clip/clipped_heads"] == 1
+    assert clip.latest_metrics["qk_clip/max_logit"] == plain[0].item()
+    assert clip.latest_metrics["qk_clip/max_logit_after"] == pytest.approx(tau, rel=1e-6)
+    after = recorded_maxima(1.0)
+    assert after[0].item() == pytest.approx(tau, rel=1e-3)
+    assert after[1] == plain[1]
+    query, query_before = attn.q_b_proj.weight.detach().view(2, 12, -1), before[
+        f"model.layers.{config.mla_layer_indices[0]}.self_attn.q_b_proj.weight"].view(2, 12, -1)
+    assert torch.equal(query[1], query_before[1]) and not torch.equal(query[0], query_before[0])
+    changed = {name for name, p in model.named_parameters() if not torch.equal(p, before[name])}
+    prefix = f"model.layers.{config.mla_layer_indices[0]}.self_attn"
+    assert changed == {f"{prefix}.q_b_proj.weight", f"{prefix}.kv_b_proj.weight"}
+
+
 def test_qk_clip_max_reduces_logits_over_ranks(monkeypatch):
     model = KimiK3ForCausalLM(tiny_config(record_attn_logit_max=True))
     clip = QKClip(model, tau=1.0)
@@ -377,21 +419,48 @@ def test_trainer_resume_from_checkpoint_is_bitwise(tmp_path):
         assert torch.equal(expected, actual), name
 
 
-def test_qk_clip_callback_equals_clip_inside_the_optimizer(tmp_path):
+def test_qk_clip_callback_equals_clip_inside_the_optimizer_and_logs_its_statistics(tmp_path):
     config = _four_layer_config(record_attn_logit_max=True)
 
     def train(qk_clip_tau, callbacks):
         torch.manual_seed(0)
         model = KimiK3ForCausalLM(config)
         optimizer = PerHeadMuon.for_model(model, lr=1e-2, qk_clip_tau=qk_clip_tau)
-        trainer = Trainer(model=model, args=_training_args(tmp_path, max_steps=3), train_dataset=_token_dataset(config),
+        args = _training_args(tmp_path, max_steps=3, logging_steps=1)
+        trainer = Trainer(model=model, args=args, train_dataset=_token_dataset(config),
                           optimizers=(optimizer, None), callbacks=callbacks)
         trainer.train()
-        return model
+        return model, [entry for entry in trainer.state.log_history if "loss" in entry]
 
-    inside = train(0.01, [])
-    as_callback = train(None, [QKClipCallback(0.01)])
-    unclipped = train(None, [])
+    inside, inside_logs = train(0.01, [QKClipCallback()])  # reports the optimizer's own clip
+    as_callback, callback_logs = train(None, [QKClipCallback(0.01)])
+    unclipped, unclipped_logs = train(None, [])
     weight = "model.layers.1.self_attn.q_b_proj.weight"
     assert torch.equal(inside.get_parameter(weight), as_callback.get_parameter(weight))
     assert not torch.equal(inside.get_parameter(weight), unclipped.get_parameter(weight))
+    statistics = ("qk_clip/clipped_heads", "qk_clip/max_logit", "qk_clip/max_logit_after")
+    assert len(inside_logs) == 3 and all(set(statistics) <= entry.keys() for entry in inside_logs)
+    assert [[entry[key] for key in statistics] for entry in inside_logs] == [
+        [entry[key] for key in statistics] for entry in callback_logs
+    ]
+    # Two MLA layers of 2 heads; the test model's max logits (~0.01-0.03) straddle tau = 0.01.
+    assert all(0 < entry["qk_clip/clipped_heads"] <= 4 for entry in inside_logs)
+    assert all(entry["qk_clip/max_logit"] > 0.01 == entry["qk_clip/max_logit_after"] for entry in inside_logs)
+    assert not any("qk_clip/max_logit" in entry for entry in unclipped_logs)
+
+
+def test_qk_clip_callback_refuses_a_tau_other_than_the_optimizers(tmp_path):
+    config = _four_layer_config(record_attn_logit_max=True)
+    model = KimiK3ForCausalLM(config)
+    optimizer = PerHeadMuon.for_model(model, lr=1e-2, qk_clip_tau=0.01)
+    trainer = Trainer(model=model, args=_training_args(tmp_path, max_steps=1), train_dataset=_token_dataset(config),
+                      optimizers=(optimizer, None), callbacks=[QKClipCallback(0.02)])
+    with pytest.raises(ValueError, match="already clips with tau=0.01"):
+        trainer.train()
+
+
+@pytest.mark.parametrize("tau", [0, -1.0, float("nan"), "100"])
+def test_qk_clip_refuses_a_threshold_that_is_not_a_positive_number(tau):
+    model = KimiK3ForCausalLM(tiny_config(record_attn_logit_max=True))
+    with pytest.raises(ValueError, match="`qk_clip_tau` must be a number > 0"):
+        QKClip(model, tau)

@@ -17,9 +17,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from configuration_kimi_k3 import AUTO_MAP, KimiK3Config
-from kimi_k3.mxfp4 import quantize_mxfp4
-from kimi_k3.release_format import export_released, import_released, released_config_dict, released_tensor_shapes
-from modeling_kimi_k3 import KimiK3Experts, KimiK3ForCausalLM, checkpoint_shapes, dequantize_mxfp4
+from checkpoint_format_kimi_k3 import (
+    checkpoint_shapes,
+    dequantize_mxfp4,
+    quantize_mxfp4,
+    released_config_dict,
+    released_tensor_shapes,
+)
+from kimi_k3.release_format import export_released, import_released
+from modeling_kimi_k3 import KimiK3Experts, KimiK3ForCausalLM
 from scripts.convert_checkpoint import main as convert_main
 from tests.conftest import tiny_config
 
@@ -424,7 +430,7 @@ def test_conversion_failing_midway_removes_its_staging_folder(representable, tmp
 LOAD_CONVERTED_IN_FRESH_PROCESS = textwrap.dedent(
     """
     import sys
-    for name in ("modeling_kimi_k3", "configuration_kimi_k3", "kimi_k3"):
+    for name in ("modeling_kimi_k3", "configuration_kimi_k3", "checkpoint_format_kimi_k3", "kimi_k3"):
         sys.modules[name] = None
     import torch
     from safetensors.torch import load_file
@@ -447,7 +453,7 @@ def test_converted_folders_carry_the_code_and_reload_with_trust_remote_code_in_a
 ):
     ours = tmp_path / "ours"
     assert convert_main(["from-release", str(representable.released), str(ours), "--no-progress"]) == 0
-    code = {"configuration_kimi_k3.py", "modeling_kimi_k3.py"}
+    code = {"checkpoint_format_kimi_k3.py", "configuration_kimi_k3.py", "modeling_kimi_k3.py"}
     for folder in (representable.released, ours):
         assert code <= {path.name for path in folder.iterdir()}
     assert json.loads((representable.released / "config.json").read_text())["auto_map"] == AUTO_MAP

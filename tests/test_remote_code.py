@@ -12,14 +12,19 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 import modeling_kimi_k3
+from kimi_k3.release_format import export_released
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from tests.conftest import tiny_config
+from tests.test_release_format import MXFP4_SHAPES, mxfp4_representable_
 
 LOAD_IN_FRESH_PROCESS = textwrap.dedent(
     """
     import sys
-    for name in ("modeling_kimi_k3", "configuration_kimi_k3", "kimi_k3"):
+    import warnings
+    for name in ("modeling_kimi_k3", "configuration_kimi_k3", "checkpoint_format_kimi_k3", "kimi_k3"):
         sys.modules[name] = None  # any import of the installed project now fails
+    for category in (FutureWarning, DeprecationWarning):  # deprecations raised from the model files are errors
+        warnings.filterwarnings("error", category=category, module=r"transformers_modules\\.")
     import torch
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
@@ -35,15 +40,18 @@ LOAD_IN_FRESH_PROCESS = textwrap.dedent(
     assert torch.equal(logits, expected["logits"]), (logits - expected["logits"]).abs().max()
     generated = model.generate(expected["input_ids"], max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(generated, expected["generated"])
+    greedy = expected["input_ids"]  # the same six tokens by repeated full forwards, without any cache
+    with torch.no_grad():
+        for _ in range(6):
+            greedy = torch.cat([greedy, model(greedy, use_cache=False).logits[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(generated, greedy), (generated, greedy)
     print("ok")
     """
 )
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("k3-tiny")
-    model = KimiK3ForCausalLM(tiny_config()).eval()
+def save_with_expected_outputs(model: KimiK3ForCausalLM, folder) -> None:
+    """``model.save_pretrained(folder)`` and, beside the folder, the logits and greedy generation it must reproduce."""
     model.save_pretrained(folder)
     ids = torch.randint(3, 97, (2, 9))
     with torch.no_grad():
@@ -53,12 +61,30 @@ def saved(tmp_path_factory):
             "generated": model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0),
         }
     save_file(expected, str(folder.parent / "expected.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("k3-tiny") / "model"
+    save_with_expected_outputs(KimiK3ForCausalLM(tiny_config()).eval(), folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory):
+    """A released-layout folder (wrapper config, `language_model.` names, MXFP4 experts) with our code beside it."""
+    root = tmp_path_factory.mktemp("k3-released")
+    model = mxfp4_representable_(KimiK3ForCausalLM(tiny_config(**MXFP4_SHAPES))).eval()  # exported losslessly
+    save_with_expected_outputs(model, root / "ours")
+    folder = root / "model"
+    export_released(root / "ours", folder, progress=False)  # writes our code and auto_map beside the weights
     return folder
 
 
 def test_saved_folder_holds_code_config_weights_and_auto_map(saved):
     files = sorted(os.listdir(saved))
     assert files == [
+        "checkpoint_format_kimi_k3.py",
         "config.json",
         "configuration_kimi_k3.py",
         "generation_config.json",
@@ -75,7 +101,9 @@ def test_saved_folder_holds_code_config_weights_and_auto_map(saved):
     assert (saved / "modeling_kimi_k3.py").read_text() == open(modeling_kimi_k3.__file__).read()
 
 
-def test_fresh_process_without_the_package_reproduces_logits(saved, tmp_path):
+@pytest.mark.parametrize("layout", ["saved", "released"])
+def test_fresh_process_without_the_package_reproduces_logits(layout, request, tmp_path):
+    saved = request.getfixturevalue(layout)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
     env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
     result = subprocess.run(
@@ -102,3 +130,27 @@ def test_registered_auto_classes_load_without_remote_code(saved):
     model = AutoModelForCausalLM.from_pretrained(saved)
     assert type(model) is KimiK3ForCausalLM
     assert type(AutoModel.from_config(config)).__name__ == "KimiK3Model"
+
+
+VERSION_PROBE = textwrap.dedent(
+    """
+    import importlib.metadata
+    import sys
+    import transformers.modeling_utils
+    installed = importlib.metadata.version
+    importlib.metadata.version = lambda name: sys.argv[1] if name == "transformers" else installed(name)
+    import configuration_kimi_k3, modeling_kimi_k3  # warn, once
+    try:
+        import kimi_k3
+    except ImportError as error:
+        print(f"ImportError: {error}")
+    """
+)
+
+
+@pytest.mark.parametrize("version", ["5.22.2", "5.25.0"])
+def test_unsupported_transformers_refuses_the_package_and_warns_once_for_the_model_files(version):
+    result = subprocess.run([sys.executable, "-c", VERSION_PROBE, version], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"ImportError: kimi_k3 supports transformers >=5.23,<5.25, but {version} is installed" in result.stdout
+    assert result.stderr.count(f"tested with transformers >=5.23,<5.25, but {version} is installed") == 1

@@ -161,6 +161,25 @@ def test_training_lowers_loss_and_reports_eval_perplexity(trained):
     assert sorted(path.name for path in run.iterdir()) == ["checkpoint-4", "checkpoint-8", "model"]
 
 
+def test_default_run_clips_attention_logits_at_100_and_logs_the_statistics(trained):
+    run, _, _, history = trained
+    logged = [entry for entry in history if "loss" in entry]
+    assert all({"qk_clip/clipped_heads", "qk_clip/max_logit", "qk_clip/max_logit_after"} <= entry.keys()
+               for entry in logged)
+    # The toy model's logits stay far below K2's tau = 100: recorded every step, nothing clipped.
+    assert all(entry["qk_clip/clipped_heads"] == 0 for entry in logged)
+    assert all(0 < entry["qk_clip/max_logit"] == entry["qk_clip/max_logit_after"] < 100 for entry in logged)
+    assert json.loads((run / "model" / "config.json").read_text())["record_attn_logit_max"] is True
+
+
+def test_qk_clip_tau_none_turns_recording_and_clipping_off(trained, tmp_path):
+    extra = ["--qk_clip_tau", "none", "--max_steps", "2", "--save_steps", "2", "--eval_steps", "2"]
+    assert run_main(tiny_args(tmp_path / "run", trained[1], *extra))[0] == 0
+    state = json.loads((tmp_path / "run" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert not any("qk_clip/max_logit" in entry for entry in state["log_history"])
+    assert json.loads((tmp_path / "run" / "model" / "config.json").read_text())["record_attn_logit_max"] is False
+
+
 def test_saved_folder_generates_in_fresh_process_through_auto_classes(trained, tmp_path):
     model_dir = trained[0] / "model"
     assert {"configuration_kimi_k3.py", "modeling_kimi_k3.py", "tokenizer.json", "README.md"} <= {
@@ -316,10 +335,17 @@ def test_resume_refuses_a_checkpoint_missing_lm_head(trained, tmp_path, capsys):
     assert sorted(path.name for path in run.iterdir()) == listing
 
 
-def test_resume_with_another_global_batch_warns_naming_both(trained, tmp_path, capsys):
+def test_resume_with_another_global_batch_warns_naming_both(trained, tmp_path, capsys, monkeypatch):
     run = shutil.copytree(trained[0], tmp_path / "run")
+    synced, fsync_tree = [], run_folder.fsync_tree
+    monkeypatch.setattr(run_folder, "fsync_tree", lambda folder: synced.append(folder) or fsync_tree(folder))
     extra = ["--resume_from_checkpoint", "True", "--max_steps", "9", "--gradient_accumulation_steps", "2"]
     assert run_main(tiny_args(run, trained[1], *extra))[0] == 0
+    # The new checkpoint and the model were fsync'ed under this job's own staging names before being published.
+    checkpoint, model = synced
+    tag = model.name.removeprefix(".staging-model-")
+    assert checkpoint == run / f".staging-checkpoint-9-{tag}" / "checkpoint-9" and len(tag) == 12
+    assert json.loads((run / "checkpoint-9" / "batch_size.json").read_text())["global"] == 8
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("kimi-k3-train: warning:")]
     assert warnings == [
         f"kimi-k3-train: warning: resuming {run / 'checkpoint-8'} with global batch 8 (4 per device x 2 accumulation "
@@ -331,20 +357,39 @@ def test_resume_with_another_global_batch_warns_naming_both(trained, tmp_path, c
 # ---------------------------------------------------------------------------------------------------------------------
 # One job per output folder
 # ---------------------------------------------------------------------------------------------------------------------
+HOLD_LOCK = "import sys; from kimi_k3.run_folder import OutputFolderLock; lock = OutputFolderLock(sys.argv[1]).acquire()"
+
+
 def test_second_job_in_a_locked_folder_fails_at_once_naming_folder_and_holder(trained, tmp_path, capsys):
-    with run_folder.OutputFolderLock(tmp_path / "out"):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK + "; print('locked', flush=True); sys.stdin.read()", str(tmp_path / "out")],
+        env={**os.environ, "PYTHONPATH": str(REPO)}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "locked"
         started = time.perf_counter()
         assert train.main(tiny_args(tmp_path / "out", trained[1])) == 2
         assert time.perf_counter() - started < 5
+    finally:
+        holder.communicate("", timeout=60)
     last_line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert f"--output_dir {tmp_path / 'out'} is in use by another job (pid {os.getpid()} on {socket.gethostname()}" in last_line
-    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == []  # the lock file went with its holder
+    assert last_line.startswith(
+        f"kimi-k3-train: error: --output_dir {tmp_path / 'out'} is in use by another job (pid {holder.pid} on "
+        f"{socket.gethostname()}, running since "
+    )
+    assert [path.name for path in (tmp_path / "out").iterdir()] == [run_folder.LOCK_NAME]  # the job wrote nothing
+
+
+def test_torch_save_short_write_counts_as_a_full_disk():
+    assert run_folder.is_disk_full(RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 686016 vs 685908"))
+    assert run_folder.is_disk_full(OSError(errno.ENOSPC, "No space left on device"))
+    assert not run_folder.is_disk_full(OSError(errno.EACCES, "Permission denied"))
 
 
 def test_lock_of_a_killed_job_is_not_stuck(tmp_path):
     holder = subprocess.run(
-        [sys.executable, "-c", "import os, signal, sys; from kimi_k3.run_folder import OutputFolderLock; "
-         "OutputFolderLock(sys.argv[1]).acquire(); os.kill(os.getpid(), signal.SIGKILL)", str(tmp_path / "out")],
+        [sys.executable, "-c", HOLD_LOCK + "; import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+         str(tmp_path / "out")],
         env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60,
     )  # fmt: skip
     assert holder.returncode == -signal.SIGKILL and (tmp_path / "out" / run_folder.LOCK_NAME).exists()
@@ -418,6 +463,7 @@ def bigger_tokenizer(folder: Path) -> str:
     return str(folder)
 
 
+ALL_KDA = {**TINY_MODEL["linear_attn_config"], "kda_layers": list(range(1, 10)), "full_attn_layers": []}
 BAD_INPUTS = {
     "missing data file": (lambda run, tmp: ["--data_files", str(tmp / "nope.txt")], "no such file"),
     "empty corpus": (lambda run, tmp: ["--data_files", str(write_blank(tmp))], "corpus is empty"),
@@ -428,6 +474,12 @@ BAD_INPUTS = {
     "hub id without a token": (lambda run, tmp: ["--hub_model_id", "someone/kimi-k3-tiny"], "needs a token"),
     "resume without a checkpoint": (lambda run, tmp: ["--resume_from_checkpoint", "True"], "no checkpoint-N folder"),
     "bad config override": (lambda run, tmp: ["--config_overrides", '{"hidden_act": "tanh"}'], "`hidden_act` must be"),
+    "negative qk_clip_tau": (lambda run, tmp: ["--qk_clip_tau", "-1"], "--qk_clip_tau must be a number > 0"),
+    "NaN qk_clip_tau": (lambda run, tmp: ["--qk_clip_tau", "nan"], "--qk_clip_tau must be a number > 0"),
+    "QK-Clip without MLA layers": (
+        lambda run, tmp: ["--config_overrides", json.dumps({**TINY_MODEL, "linear_attn_config": ALL_KDA})],
+        "the model has no MLA (full_attention) layer; pass --qk_clip_tau none",
+    ),
     "0-byte text file": (lambda run, tmp: ["--data_files", str(write_bytes(tmp, "empty.txt", b""))], "empty.txt is empty (0 bytes)"),
     "binary text file": (
         lambda run, tmp: ["--data_files", str(write_bytes(tmp, "bin.txt", b"ELF\x00\x01 header"))],

@@ -1,0 +1,525 @@
+"""Kimi K3 checkpoint formats: the expert layout, the MXFP4 codec, and the released checkpoint layout.
+
+Shipped beside ``modeling_kimi_k3.py`` (``save_pretrained`` copies relatively imported files into the folder), so a
+released-layout folder loads with ``trust_remote_code`` alone. It imports only torch, safetensors and transformers.
+
+- **Expert layout**: on disk every routed expert is three matrices ``experts.{e}.w1/w2/w3.weight`` (the released
+  names); in memory the experts are fused 3-D tensors for transformers' experts backends. `EXPERT_LAYOUT` declares
+  the correspondence once; the conversion mapping, the state-dict hook, the shape checks and Per-Head Muon's
+  per-expert blocks are derived from it.
+- **MXFP4** (OCP Microscaling Formats v1.0, compressed-tensors ``mxfp4-pack-quantized``): groups of 32 input features
+  share one E8M0 scale 2^(s − 127); each element is an E2M1 code (bit 3 = sign, bits 0-2 index
+  {0, 0.5, 1, 1.5, 2, 3, 4, 6}); two codes per byte, element 2j in the low nibble.
+- **Released layout** (the Kimi-K3 checkpoint on the Hugging Face Hub): a multimodal wrapper ``config.json`` whose
+  text part is ``text_config``, text tensors under ``language_model.``, routed experts as MXFP4 ``weight_packed`` /
+  ``weight_scale`` pairs, KDA ``A_log`` zero-padded to head_dim. Loading checks every tensor first
+  (`match_checkpoint_tensors`), then reads through load-only transforms (`released_layout_transforms`).
+"""
+
+import contextvars
+import re
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
+from typing import NamedTuple
+
+import torch
+from safetensors import SafetensorError, safe_open
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import Concatenate, ConversionOps, MergeModulelist, PrefixChange, WeightConverter
+from transformers.utils import logging
+
+try:
+    from .configuration_kimi_k3 import AUTO_MAP
+except ImportError:
+    from configuration_kimi_k3 import AUTO_MAP
+
+logger = logging.get_logger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Expert layout
+# ---------------------------------------------------------------------------------------------------------------------
+EXPERT_LAYOUT = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
+"""Fused expert tensor [E, rows, cols] -> the per-expert matrices stacked along its rows, in order:
+``gate_up_proj[e] = [w1; w3]`` (gate over up), ``down_proj[e] = w2``."""
+ROUTED_EXPERT_WEIGHT = re.compile(
+    rf"\.experts\.\d+\.({'|'.join(part for parts in EXPERT_LAYOUT.values() for part in parts)})\.weight$"
+)
+
+
+def expert_block_rows(fused_name: str, fused_shape: tuple[int, ...]) -> int:
+    """Rows of one per-expert matrix inside the fused tensor ``fused_name`` (all of its parts have the same size)."""
+    return fused_shape[1] // len(EXPERT_LAYOUT[fused_name])
+
+
+def per_expert_shapes(name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """Checkpoint names and shapes that store the model tensor ``name``: one per expert and part for fused experts."""
+    stem, _, leaf = name.rpartition(".")
+    if not stem.endswith(".experts") or leaf not in EXPERT_LAYOUT:
+        return {name: shape}
+    num_experts, _, columns = shape
+    rows = expert_block_rows(leaf, shape)
+    return {f"{stem}.{e}.{part}.weight": (rows, columns) for e in range(num_experts) for part in EXPERT_LAYOUT[leaf]}
+
+
+def fuse_per_expert_weights(state_dict: dict, prefix: str, num_experts: int) -> str | None:
+    """Replace the per-expert keys under ``prefix`` by the fused tensors, in place, when all of them are present.
+
+    Returns an error message when only some are (a shard boundary inside a layer): never a silent partial load.
+    """
+    names = {
+        fused: [[f"{prefix}{e}.{part}.weight" for part in parts] for e in range(num_experts)]
+        for fused, parts in EXPERT_LAYOUT.items()
+    }
+    flat = [name for per_expert in names.values() for parts in per_expert for name in parts]
+    missing = [name for name in flat if name not in state_dict]
+    if len(missing) == len(flat):
+        return None
+    if missing:
+        return (
+            f"{prefix[:-1]}: the state dict holds only some per-expert weights (missing e.g. {missing[0]}); "
+            "load the whole checkpoint at once, e.g. with `from_pretrained`."
+        )
+    for fused, per_expert in names.items():
+        state_dict[prefix + fused] = torch.stack([torch.cat([state_dict.pop(n) for n in parts]) for parts in per_expert])
+    return None
+
+
+def expert_layout_converters(stored_suffixes: tuple[str, ...] = ("weight",), dequantize: bool = False):
+    """transformers ``WeightConverter``s between the per-expert checkpoint names and the fused tensors.
+
+    ``stored_suffixes=("weight_packed", "weight_scale"), dequantize=True`` reads the released MXFP4 experts.
+    """
+    converters = []
+    for fused, parts in EXPERT_LAYOUT.items():
+        operations = [DequantizeMXFP4()] if dequantize else []
+        operations.append(MergeModulelist(dim=0))
+        if len(parts) > 1:
+            operations.append(Concatenate(dim=1))
+        converters.append(
+            WeightConverter(
+                source_patterns=[
+                    rf"block_sparse_moe\.experts.*.{part}.{suffix}" for part in parts for suffix in stored_suffixes
+                ],
+                target_patterns=f"block_sparse_moe.experts.{fused}",
+                operations=operations,
+            )
+        )
+    return converters
+
+
+def register_expert_layout(*class_names: str) -> None:
+    """``save_pretrained`` writes, and ``from_pretrained`` reads, per-expert names for these model classes.
+
+    Registered under our own class names (never a native model type); ``overwrite`` because the model file can be
+    executed twice in one process (installed module and a ``transformers_modules`` copy).
+    """
+    for class_name in class_names:
+        register_checkpoint_conversion_mapping(class_name, expert_layout_converters(), overwrite=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# MXFP4 codec
+# ---------------------------------------------------------------------------------------------------------------------
+MXFP4_GROUP_SIZE = 32
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _mxfp4_byte_values() -> torch.Tensor:
+    """[256, 2]: the two values a byte encodes, element 2j in the low nibble; code bit 3 is the sign."""
+    magnitudes = torch.tensor(E2M1_MAGNITUDES)
+    codes = torch.cat([magnitudes, -magnitudes])
+    byte = torch.arange(256)
+    return torch.stack([codes[byte & 0xF], codes[byte >> 4]], dim=-1)
+
+
+_MXFP4_BYTE_VALUES = _mxfp4_byte_values()
+# E8M0: 2^(s − 127), exact in fp32 down to the subnormal 2^-127; s = 255 encodes NaN.
+_E8M0_VALUES = torch.tensor([2.0 ** (s - 127) for s in range(255)] + [float("nan")])
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """MXFP4 -> dense: W[n, 32g + r] = E2M1(code) · 2^(s[n, g] − 127), exact in bf16.
+
+    ``blocks`` uint8 [..., in/2] holds two codes per byte; ``scales`` uint8 [..., in/32] one E8M0 exponent per group.
+    """
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 `blocks` and `scales` must be uint8, got {blocks.dtype} and {scales.dtype}.")
+    if blocks.shape[:-1] != scales.shape[:-1] or 2 * blocks.shape[-1] != MXFP4_GROUP_SIZE * scales.shape[-1]:
+        raise ValueError(
+            f"MXFP4 `blocks` {list(blocks.shape)} and `scales` {list(scales.shape)} disagree: for n input features "
+            f"they must be [..., n/2] and [..., n/{MXFP4_GROUP_SIZE}]."
+        )
+    values = _MXFP4_BYTE_VALUES.to(blocks.device).index_select(0, blocks.flatten().long())
+    group_scales = _E8M0_VALUES.to(blocks.device).index_select(0, scales.flatten().long())
+    dense = values.view(-1, MXFP4_GROUP_SIZE) * group_scales[:, None]
+    return dense.view(*blocks.shape[:-1], -1).to(dtype)
+
+
+def quantize_mxfp4(weight: torch.Tensor, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense [..., n] -> (blocks uint8 [..., n/2], scales uint8 [..., n/32]); ``name`` labels errors.
+
+    Each group takes the *smallest* power of two X with max|w| <= 6·X, so the group maximum always fits the grid
+    without clipping; elements round to the nearest E2M1 value of w / X, ties to the even code. A group that is
+    representable at any scale is therefore reproduced exactly (pack∘unpack is the identity on representable
+    weights); the OCP rule X = 2^(floor(log2 max|w|) − 2) instead saturates group maxima in (6X, 8X) to 6X. The scale
+    is clamped at the smallest E8M0 value 2^-127: an all-zero group gets it, and a group whose maximum is below
+    6·2^-127 rounds onto that finest grid.
+    """
+    if weight.ndim == 0 or weight.shape[-1] % MXFP4_GROUP_SIZE:
+        raise ValueError(
+            f"`{name}` has shape {list(weight.shape)}: MXFP4 groups {MXFP4_GROUP_SIZE} input features, so its last "
+            f"dimension must be a multiple of {MXFP4_GROUP_SIZE}."
+        )
+    groups = weight.float().unflatten(-1, (-1, MXFP4_GROUP_SIZE))
+    group_max = groups.abs().amax(-1)  # NaN and inf propagate into the group maximum
+    if not torch.isfinite(group_max).all():
+        raise ValueError(f"`{name}` holds non-finite values, which MXFP4 cannot encode.")
+    scale_exponents = _smallest_fitting_exponents(group_max)
+    scaled = groups / _power_of_two(scale_exponents - 127)[..., None]
+    codes = _e2m1_codes(scaled).flatten(-2)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, scale_exponents.to(torch.uint8)
+
+
+def _smallest_fitting_exponents(group_max: torch.Tensor) -> torch.Tensor:
+    """Biased E8M0 exponents s (int32) of the smallest 2^(s − 127) with group_max <= 6 · 2^(s − 127), s >= 0."""
+    e2m1_max = E2M1_MAGNITUDES[-1]
+    mantissa, exponent = torch.frexp(group_max.clamp_min(torch.finfo(torch.float32).tiny) / e2m1_max)
+    # frexp gives m·2^e with m in [0.5, 1): ceil(log2) is e, or e − 1 when m is exactly 0.5.
+    unbiased = exponent - (mantissa == 0.5).int()
+    # The division by 6 rounds; one exact comparison repairs a ceiling that came out one too small.
+    unbiased += (group_max > e2m1_max * _power_of_two(unbiased)).int()
+    return (unbiased + 127).clamp_min(0)
+
+
+def _power_of_two(exponents: torch.Tensor) -> torch.Tensor:
+    """2^e in fp32, exact for every e the E8M0 range needs (down to the subnormal 2^-127)."""
+    return torch.ldexp(torch.ones_like(exponents, dtype=torch.float32), exponents)
+
+
+def _e2m1_codes(scaled: torch.Tensor) -> torch.Tensor:
+    """Nearest E2M1 code (uint8) of each |x| <= 6, ties to the even code.
+
+    The grid steps by 0.5, 1 and 2 on the binades [0, 2), [2, 4) and [4, 6], where the codes start at 0, 4 and 6:
+    code = round(|x| / step) + 2·[|x| >= 2] + 2·[|x| >= 4]. Dividing by a power of two is exact, and torch.round
+    breaks ties to even, which here is the even code.
+    """
+    magnitude = scaled.abs()
+    at_least_2, at_least_4 = magnitude >= 2, magnitude >= 4
+    step = torch.full_like(magnitude, 0.5).masked_fill_(at_least_2, 1.0).masked_fill_(at_least_4, 2.0)
+    codes = torch.round(magnitude.div_(step)).to(torch.uint8)
+    codes += 2 * at_least_2.to(torch.uint8) + 2 * at_least_4.to(torch.uint8)
+    codes |= (scaled < 0).to(torch.uint8) << 3
+    return codes
+
+
+class DequantizeMXFP4(ConversionOps):
+    """(weight_packed, weight_scale) source pairs -> dense expert weights, stacked over experts.
+
+    transformers materializes every checkpoint tensor in the target parameter's dtype before the ops run; the uint8
+    codes and exponents (integers below 256) survive that cast exactly and are cast back here.
+    """
+
+    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+        dense = {}
+        for packed_pattern, scale_pattern in zip(source_patterns[::2], source_patterns[1::2]):
+            blocks, scales = input_dict.pop(packed_pattern), input_dict.pop(scale_pattern)
+            first = blocks[0]
+            stacked = first.new_empty((len(blocks), first.shape[0], 2 * first.shape[1]))
+            for expert, (codes, exponents) in enumerate(zip(blocks, scales)):
+                stacked[expert] = dequantize_mxfp4(codes.to(torch.uint8), exponents.to(torch.uint8), stacked.dtype)
+            dense[packed_pattern] = stacked
+        return dense
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Released layout
+# ---------------------------------------------------------------------------------------------------------------------
+RELEASE_TEXT_PREFIX = "language_model."
+RELEASE_MULTIMODAL_PREFIXES = ("vision_tower.", "mm_projector.")
+_MAX_REPORTED_PROBLEMS = 20
+# `from_pretrained(..., strict=False)` switches the checkpoint checks off for the duration of that call.
+STRICT_LOADING = contextvars.ContextVar("kimi_k3_strict_loading", default=True)
+# Stored dtypes of floating-point tensors (safetensors names); integer or boolean data where the model holds floats
+# would be cast silently.
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+# E8M0 scales from this byte on can decode to infinity in fp32/bf16: 6 · 2^(253 − 127) = 1.5 · 2^128; 255 is NaN.
+_FIRST_OVERFLOWING_SCALE = 253
+# The release's `quantization_config` (inside `text_config`): only routed experts are packed.
+RELEASED_QUANTIZATION_CONFIG = {
+    "quant_method": "compressed-tensors",
+    "format": "mxfp4-pack-quantized",
+    "quantization_status": "compressed",
+    "config_groups": {
+        "group_0": {
+            "format": "mxfp4-pack-quantized",
+            "targets": ["Linear"],
+            "weights": {
+                "num_bits": 4,
+                "type": "float",
+                "symmetric": True,
+                "strategy": "group",
+                "group_size": MXFP4_GROUP_SIZE,
+                "scale_dtype": "torch.uint8",
+                "dynamic": False,
+                "observer": "minmax",
+            },
+            "input_activations": None,
+            "output_activations": None,
+        }
+    },
+    "ignore": [
+        "re:.*self_attn.*",
+        "re:.*shared_experts.*",
+        r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+        "re:.*lm_head.*",
+        "re:.*vision_tower.*",
+        "re:.*mm_projector.*",
+    ],
+}
+
+
+class NarrowToHeads(ConversionOps):
+    """The released ``A_log`` is zero-padded to head_dim; the model keeps its [num_heads] head.
+
+    `match_checkpoint_tensors` has verified that the padded tail is zero.
+    """
+
+    def convert(self, input_dict, source_patterns, target_patterns, config=None, **kwargs):
+        (tensors,) = input_dict.values()
+        return {target_patterns[0]: tensors[0][: config.linear_attn_config["num_heads"]].clone()}
+
+
+def released_layout_transforms() -> list[WeightConverter | PrefixChange]:
+    """Load-only transforms from the released layout onto the model's parameters."""
+    return [
+        PrefixChange(prefix_to_remove=RELEASE_TEXT_PREFIX.removesuffix(".")),
+        *expert_layout_converters(stored_suffixes=("weight_packed", "weight_scale"), dequantize=True),
+        WeightConverter(
+            source_patterns=r"self_attn\.A_log", target_patterns="self_attn.A_log", operations=[NarrowToHeads()]
+        ),
+    ]
+
+
+def released_tensor_shapes(name: str, shape: tuple[int, ...], config) -> dict[str, tuple[int, ...]]:
+    """The released tensors (name -> shape) that store our checkpoint tensor ``name``."""
+    key = RELEASE_TEXT_PREFIX + name
+    if ROUTED_EXPERT_WEIGHT.search(name):
+        rows, columns = shape
+        if columns % MXFP4_GROUP_SIZE:
+            raise ValueError(
+                f"{name} has {columns} input features; MXFP4 groups need a multiple of {MXFP4_GROUP_SIZE} "
+                "(routed_expert_hidden_size for w1/w3, moe_intermediate_size for w2)."
+            )
+        return {f"{key}_packed": (rows, columns // 2), f"{key}_scale": (rows, columns // MXFP4_GROUP_SIZE)}
+    if name.endswith(".A_log"):
+        return {key: (max(shape[0], config.linear_attn_config["head_dim"]),)}  # zero-padded, never truncated
+    return {key: shape}
+
+
+def released_config_dict(config) -> dict:
+    """The release's multimodal wrapper ``config.json`` around ``config`` as its ``text_config``."""
+    text_config = config.to_dict()
+    for local in ("auto_map", "layer_types", "mlp_layer_types", "_name_or_path"):  # ours, derived or machine-local
+        text_config.pop(local, None)
+    text_config.update(
+        model_type="kimi_linear",
+        architectures=["KimiLinearForCausalLM"],
+        quantization_config=RELEASED_QUANTIZATION_CONFIG,
+    )
+    shared = ("bos_token_id", "eos_token_id", "pad_token_id", "dtype", "tie_word_embeddings", "transformers_version")
+    return {
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "model_type": "kimi_k3",
+        # Our code, shipped beside the weights, reads this layout: the folder loads with trust_remote_code.
+        "auto_map": dict(AUTO_MAP),
+        **{key: text_config[key] for key in shared if key in text_config},
+        "text_config": text_config,
+    }
+
+
+class CheckpointEntry(NamedTuple):
+    path: str
+    shape: tuple[int, ...]
+    dtype: str  # safetensors name: "BF16", "F32", "U8", ...
+
+
+def read_safetensors_headers(shard_files: list[str]) -> dict[str, CheckpointEntry]:
+    """Shard, shape and dtype of every tensor of a (sharded) checkpoint, read from the headers only."""
+    entries = {}
+    for path in shard_files:
+        try:
+            with safe_open(path, framework="pt") as shard:
+                for name in shard.keys():
+                    tensor = shard.get_slice(name)
+                    entries[name] = CheckpointEntry(str(path), tuple(tensor.get_shape()), tensor.get_dtype())
+        except SafetensorError as error:
+            raise ValueError(f"Checkpoint shard {path} cannot be read (truncated or corrupted?): {error}") from error
+    return entries
+
+
+def read_checkpoint_tensor(entries: dict[str, CheckpointEntry], name: str) -> torch.Tensor:
+    with safe_open(entries[name].path, framework="pt") as shard:
+        return shard.get_tensor(name)
+
+
+def is_released_layout(names) -> bool:
+    """The release prefixes text tensors with `language_model.` and stores routed experts as MXFP4 `weight_packed`."""
+    return any(name.startswith(RELEASE_TEXT_PREFIX) or name.endswith(".weight_packed") for name in names)
+
+
+def checkpoint_shapes(model, stored_names=()) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of our checkpoint layout for ``model``: causal-LM names, per-expert w1/w3/w2
+    (fused expert tensors that ``stored_names`` holds, as ``save_pretrained(save_original_format=False)`` writes them,
+    keep their fused name)."""
+    prefix = f"{model.base_model_prefix}." if model.base_model is model else ""
+    shapes = {}
+    for name, tensor in model.state_dict().items():
+        name, shape = prefix + name, tuple(tensor.shape)
+        shapes.update({name: shape} if name in stored_names else per_expert_shapes(name, shape))
+    if model.config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)  # stored once, as the embedding
+    else:
+        shapes.setdefault("lm_head.weight", (model.config.vocab_size, model.config.hidden_size))
+    return shapes
+
+
+def match_checkpoint_tensors(
+    entries: dict[str, CheckpointEntry],
+    expected: dict[str, tuple[int, ...]],
+    read_tensor: Callable[[str], torch.Tensor],
+) -> dict[str, tuple[str, ...]]:
+    """Match a checkpoint in either layout against ``expected`` (`checkpoint_shapes`); refuse it, naming every
+    offending tensor, unless each text tensor is present with its shape and a floating-point dtype (MXFP4 pairs:
+    uint8, with scales that decode to finite values) and nothing else is.
+
+    Returns, for each expected name, the stored tensors that hold it: itself, or (weight_packed, weight_scale).
+    An expert counts as MXFP4 exactly when its `weight_packed` exists: the release's `quantization_config.ignore`
+    list does not name every dense tensor. A longer 1-D `A_log` must be zero past num_heads.
+    Vision and projector tensors are skipped, with one log line.
+    """
+    prefix = RELEASE_TEXT_PREFIX if any(name.startswith(RELEASE_TEXT_PREFIX) for name in entries) else ""
+    skipped = Counter(p for name in entries for p in RELEASE_MULTIMODAL_PREFIXES if name.startswith(p))
+    if skipped:
+        counts = ", ".join(f"{skipped[p]} {p}* tensors" for p in RELEASE_MULTIMODAL_PREFIXES if skipped[p])
+        logger.warning(f"Skipping the multimodal part of the checkpoint (the text model has no use for it): {counts}.")
+    unclaimed = {name for name in entries if not name.startswith(RELEASE_MULTIMODAL_PREFIXES)}
+    sources, problems = {}, []
+    for name, shape in expected.items():
+        key = prefix + name
+        if ROUTED_EXPERT_WEIGHT.search(name) and f"{key}_packed" in entries:
+            stored = (f"{key}_packed", f"{key}_scale")
+            problems += _mxfp4_problems(entries, stored, shape, read_tensor)
+        elif key in entries:
+            stored = (key,)
+            problems += _shape_problems(entries[key], key, shape, read_tensor)
+        else:
+            problems.append(f"missing {key} {list(shape)}")
+            continue
+        sources[name] = stored
+        unclaimed.difference_update(stored)
+    problems += [f"unexpected {name} {list(entries[name].shape)}" for name in sorted(unclaimed)]
+    if problems:
+        raise ValueError(_refusal(problems))
+    return sources
+
+
+def _refusal(problems: list[str]) -> str:
+    listed = "; ".join(problems[:_MAX_REPORTED_PROBLEMS])
+    more = len(problems) - _MAX_REPORTED_PROBLEMS
+    return (
+        f"Refusing the checkpoint: {len(problems)} text tensor(s) do not match the model: {listed}"
+        + (f"; ... and {more} more" if more > 0 else "")
+        + " (from_pretrained(..., strict=False) loads it anyway, initialising what is missing)."
+    )
+
+
+def _mxfp4_problems(entries, stored: tuple[str, str], shape: tuple[int, ...], read_tensor) -> list[str]:
+    rows, columns = shape
+    wanted = dict(zip(stored, [(rows, columns // 2), (rows, columns // MXFP4_GROUP_SIZE)]))
+    problems = []
+    for name, want in wanted.items():
+        entry = entries.get(name)
+        if entry is None:
+            problems.append(f"missing {name} {list(want)}")
+        elif entry.shape != want or entry.dtype != "U8":
+            problems.append(f"{name}: expected U8 {list(want)}, found {entry.dtype} {list(entry.shape)}")
+    return problems or _nonfinite_scale_problems(stored, read_tensor)
+
+
+def _nonfinite_scale_problems(stored: tuple[str, str], read_tensor) -> list[str]:
+    """E8M0 byte 255 is NaN, and a byte >= 253 times a large E2M1 code overflows fp32 and bf16."""
+    packed, scale = stored
+    scales = read_tensor(scale)
+    if int(scales.max()) < _FIRST_OVERFLOWING_SCALE:
+        return []
+    dense = dequantize_mxfp4(read_tensor(packed), scales, torch.float32)
+    bad_groups = ~torch.isfinite(dense.view(*scales.shape, MXFP4_GROUP_SIZE)).all(-1)
+    if not bad_groups.any():
+        return []
+    nan_scales = int((scales == 255).sum())
+    return [
+        f"{scale}: {int(bad_groups.sum())} group(s) decode to non-finite values (E8M0 scale byte 255 = NaN in "
+        f"{nan_scales} group(s), largest byte {int(scales.max())})"
+    ]
+
+
+def _shape_problems(entry: CheckpointEntry, key: str, shape: tuple[int, ...], read_tensor) -> list[str]:
+    if entry.dtype not in _FLOAT_DTYPES:
+        return [f"{key}: stored as {entry.dtype}, expected a floating-point dtype {list(_FLOAT_DTYPES)}"]
+    if key.endswith("A_log") and len(entry.shape) == 1 and entry.shape[0] > shape[0]:
+        tail = read_tensor(key)[shape[0] :]
+        if tail.any():
+            return [
+                f"{key}: stored zero-padded to {entry.shape[0]}, but entries {shape[0]}..{entry.shape[0] - 1} are not "
+                f"zero (max |x| = {tail.abs().max().item():.4g}); the model has {shape[0]} heads"
+            ]
+        return []
+    return [] if entry.shape == shape else [f"{key}: expected shape {list(shape)}, found {list(entry.shape)}"]
+
+
+def verify_checkpoint_entries(model, entries: dict[str, CheckpointEntry]) -> None:
+    """Refuse a checkpoint (either layout) that does not hold exactly ``model``'s tensors, naming each offender."""
+    match_checkpoint_tensors(entries, checkpoint_shapes(model, entries), partial(read_checkpoint_tensor, entries))
+
+
+def verify_checkpoint_files(model, checkpoint_files: list[str]) -> None:
+    """`verify_checkpoint_entries` for safetensors shards on disk, e.g. a Trainer checkpoint about to be resumed."""
+    verify_checkpoint_entries(model, read_safetensors_headers(checkpoint_files))
+
+
+def load_checkpoint(load: Callable, model, state_dict, checkpoint_files, load_config, expected_keys):
+    """``PreTrainedModel._load_pretrained_model`` (``load``) after checking the checkpoint (either layout) against the
+    model; a released-layout checkpoint is read through the release transforms, ours through the stock path.
+
+    transformers only warns about missing or unexpected tensors; `match_checkpoint_tensors` names every offending
+    tensor before any is read, unless `STRICT_LOADING` is off.
+    """
+    strict = STRICT_LOADING.get()
+    entries = None
+    if state_dict is None and checkpoint_files and all(str(path).endswith(".safetensors") for path in checkpoint_files):
+        entries = read_safetensors_headers(checkpoint_files)
+    released = entries is not None and is_released_layout(entries)
+    if strict and entries is not None:
+        verify_checkpoint_entries(model, entries)
+    if released:
+        load_config = replace(
+            load_config, weight_mapping=[*released_layout_transforms(), *(load_config.weight_mapping or [])]
+        )
+    loaded = load(model, state_dict, checkpoint_files, load_config, expected_keys)
+    if released:
+        model._weight_conversions = None  # the transforms are load-only: `save_pretrained` writes our layout again
+    if strict:
+        _refuse_incomplete_load(loaded[0])
+    return loaded
+
+
+def _refuse_incomplete_load(loading_info) -> None:
+    """What the header check cannot see (an in-memory ``state_dict``, failed conversions) is refused after loading."""
+    problems = [f"missing {name}" for name in sorted(loading_info.missing_keys)]
+    problems += [f"{name}: {error.strip().splitlines()[-1]}" for name, error in loading_info.conversion_errors.items()]
+    if problems:
+        raise ValueError(_refusal(problems))

@@ -1,0 +1,113 @@
+"""Per-Head Muon steps on the same gradients in one process (the reference) and on every rank of a launched group.
+
+Launched as ``torchrun --nproc_per_node 2 tests/dist_scripts/split_newton_schulz.py WORK`` (repository root on
+PYTHONPATH): every rank runs :func:`main`, which steps a replicated (DDP layout) and an FSDP2-sharded copy of the
+model of every ``WORK/<name>.json`` configuration on gradients that are a function of the parameter name and the step alone, counting
+each rank's matmul FLOPs and the bytes it exchanges with the other ranks inside ``optimizer.step()``; rank 0 writes
+the final weights and the counts to ``WORK/split.pt``. Only the optimizer runs: the gradients stand in for what a
+backward would leave, without its cost.
+"""
+
+import contextlib
+import sys
+import zlib
+from pathlib import Path
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.flop_counter import FlopCounterMode
+
+from configuration_kimi_k3 import KimiK3Config
+from kimi_k3.distributed import full_state_dict, shard_decoder_layers
+from kimi_k3.muon import PerHeadMuon
+from modeling_kimi_k3 import KimiK3ForCausalLM
+
+STEPS = 3
+LEARNING_RATE = 1e-2
+
+
+def build_model(config: KimiK3Config) -> KimiK3ForCausalLM:
+    torch.manual_seed(0)
+    return KimiK3ForCausalLM(config)
+
+
+def set_gradients(model, step: int) -> None:
+    """Gradient of every parameter at ``step``: seeded by name and step, the same in every process."""
+    for name, param in model.named_parameters():
+        generator = torch.Generator().manual_seed(zlib.crc32(f"{name}/{step}".encode()))
+        grad = torch.randn(param.shape, generator=generator)
+        if isinstance(param, DTensor):
+            grad = distribute_tensor(grad, param.device_mesh, param.placements, src_data_rank=None)
+        param.grad = grad
+
+
+@contextlib.contextmanager
+def counted_traffic(traffic: list[int]):
+    """Adds to ``traffic`` [sent, received] the bytes this rank exchanges with other ranks through all-to-all and
+    all-gather (ring all-gather: each rank sends and receives every other rank's share once)."""
+    all_to_all_single, all_gather = dist.all_to_all_single, dist.all_gather
+
+    def counting_all_to_all(output, input, output_split_sizes, input_split_sizes, group=None):
+        rank = dist.get_rank(group)
+        traffic[0] += (sum(input_split_sizes) - input_split_sizes[rank]) * input.element_size()
+        traffic[1] += (sum(output_split_sizes) - output_split_sizes[rank]) * output.element_size()
+        return all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group)
+
+    def counting_all_gather(tensor_list, tensor, group=None):
+        others = (len(tensor_list) - 1) * tensor.numel() * tensor.element_size()
+        traffic[0] += others
+        traffic[1] += others
+        return all_gather(tensor_list, tensor, group=group)
+
+    with mock.patch.object(dist, "all_to_all_single", counting_all_to_all), \
+            mock.patch.object(dist, "all_gather", counting_all_gather):
+        yield
+
+
+def run_steps(model) -> dict:
+    """STEPS optimizer steps (momentum carries over): per step, the matmul FLOPs and the traffic of this process."""
+    optimizer = PerHeadMuon.for_model(model, lr=LEARNING_RATE)
+    flops, traffic = [], []
+    for step in range(STEPS):
+        set_gradients(model, step)
+        traffic.append([0, 0])
+        with FlopCounterMode(display=False) as counter, counted_traffic(traffic[-1]):
+            optimizer.step()
+        flops.append(counter.get_total_flops())
+        optimizer.zero_grad()
+    return {"flops": flops, "traffic": [tuple(pair) for pair in traffic], "ns_itemsize": optimizer.ns_dtype.itemsize}
+
+
+def single_process(config: KimiK3Config) -> dict:
+    model = build_model(config)
+    result = run_steps(model)
+    return {"flops": result["flops"], "state": model.state_dict()}
+
+
+def distributed_layout(config: KimiK3Config, layout: str) -> dict:
+    model = build_model(config)
+    if layout == "fsdp2":
+        shard_decoder_layers(model)
+    result = run_steps(model)
+    flops, traffic = [None] * dist.get_world_size(), [None] * dist.get_world_size()
+    dist.all_gather_object(flops, result["flops"])
+    dist.all_gather_object(traffic, result["traffic"])
+    state = full_state_dict(model) if layout == "fsdp2" else model.state_dict()
+    return {"flops_per_rank": flops, "bytes_per_rank": traffic, "state": state, "ns_itemsize": result["ns_itemsize"]}
+
+
+def main(work: Path) -> None:
+    dist.init_process_group("gloo")
+    results = {}
+    for path in sorted(work.glob("*.json")):
+        config = KimiK3Config.from_json_file(path)
+        results[path.stem] = {layout: distributed_layout(config, layout) for layout in ("ddp", "fsdp2")}
+    if dist.get_rank() == 0:
+        torch.save(results, work / "split.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

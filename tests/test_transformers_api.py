@@ -1,0 +1,174 @@
+"""The private and internal transformers / torch API this project relies on, each with why and a check.
+
+This table is the one list of such uses. Every entry is checked against the installed versions, so a release that
+renames or drops one fails here, naming the API, instead of failing users. ``test_no_unlisted_private_api`` finds
+new underscored names the project borrows from transformers' or torch's base classes, so the list stays complete.
+Public replacements are used wherever they exist (e.g. the cache argument: see ``take_cache_argument``).
+"""
+
+import importlib
+import inspect
+import io
+import pathlib
+import tokenize
+from typing import NamedTuple
+
+import pytest
+import torch
+import transformers
+from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel, Trainer
+
+import configuration_kimi_k3
+import modeling_kimi_k3
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PROJECT_FILES = [
+    *sorted(ROOT.glob("*_kimi_k3.py")),  # the model files shipped with every checkpoint
+    *sorted((ROOT / "kimi_k3").glob("*.py")),
+    *sorted((ROOT / "scripts").glob("*.py")),
+    *sorted((ROOT / "tests" / "dist_scripts").glob("*.py")),
+]
+TRANSFORMERS_SOURCE = "\n".join(
+    path.read_text() for path in pathlib.Path(transformers.__file__).parent.rglob("*.py") if "models" not in path.parts
+)
+
+
+class BorrowedApi(NamedTuple):
+    name: str
+    why: str
+    still_there: callable
+
+
+def parameters(function) -> list[str]:
+    return list(inspect.signature(function).parameters)
+
+
+def read_by_transformers(attribute: str) -> callable:
+    """A model-class attribute counts as supported while transformers' own code still reads it."""
+    return lambda: hasattr(PreTrainedModel, attribute) and TRANSFORMERS_SOURCE.count(attribute) > 1
+
+
+def module_has(module: str, *names: str) -> callable:
+    return lambda: all(hasattr(importlib.import_module(module), name) for name in names)
+
+
+BORROWED_API = [
+    # Loading hooks: no public hook lets a model check a checkpoint before reading it or add load-only key mappings.
+    BorrowedApi(
+        "PreTrainedModel._load_pretrained_model",
+        "released-layout folders are matched tensor by tensor before any is read, then loaded through load-only "
+        "conversions (language_model. prefix, MXFP4 experts, padded A_log)",
+        lambda: parameters(PreTrainedModel._load_pretrained_model)[:5]
+        == ["model", "state_dict", "checkpoint_files", "load_config", "expected_keys"],
+    ),
+    BorrowedApi(
+        "PreTrainedModel._weight_conversions",
+        "cleared after a released-layout load so save_pretrained writes the project layout, not the release's",
+        lambda: 'getattr(model, "_weight_conversions", None)' in TRANSFORMERS_SOURCE,
+    ),
+    BorrowedApi(
+        "transformers.conversion_mapping.register_checkpoint_conversion_mapping",
+        "declares the released per-expert keys <-> fused expert tensors once, for loading and saving",
+        lambda: "overwrite" in parameters(
+            importlib.import_module("transformers.conversion_mapping").register_checkpoint_conversion_mapping
+        ),
+    ),
+    BorrowedApi(
+        "transformers.core_model_loading (WeightConverter, ConversionOps, Concatenate, MergeModulelist, PrefixChange)",
+        "the conversion operations of the mappings above",
+        module_has(
+            "transformers.core_model_loading",
+            "WeightConverter", "ConversionOps", "Concatenate", "MergeModulelist", "PrefixChange",
+        ),
+    ),
+    # Model-definition interface: transformers' own models declare these; there is no public spelling.
+    BorrowedApi("PreTrainedConfig._attn_implementation", "selects sdpa/eager MLA attention through the attention "
+                "interface", lambda: isinstance(inspect.getattr_static(PreTrainedConfig, "_attn_implementation"),
+                                                property)),
+    BorrowedApi("PreTrainedModel._init_weights", "K3's initialisation (KDA decay ranges, zero AttnRes queries)",
+                lambda: parameters(PreTrainedModel._init_weights) == ["self", "module"]),
+    *[
+        BorrowedApi(f"PreTrainedModel.{attribute}", why, read_by_transformers(attribute))
+        for attribute, why in {
+            "_no_split_modules": "device_map keeps a decoder layer (AttnRes reads every block) on one device",
+            "_skip_keys_device_placement": "accelerate must not move the hybrid cache between devices",
+            "_supports_sdpa": "MLA runs through torch's scaled_dot_product_attention",
+            "_supports_flash_attn": "MLA's value width differs from its key width; flash-attn is refused",
+            "_is_stateful": "the KDA recurrent state rules out generation modes that rewind the cache",
+            "_keep_in_fp32_modules_strict": "decay parameters, convs and the router bias stay fp32",
+            "_keys_to_ignore_on_load_unexpected": "released folders also hold vision-tower and projector tensors",
+            "_can_record_outputs": "router logits, hidden states and MLA attention maps through output capturing",
+            "_tied_weights_keys": "tie_word_embeddings ties lm_head to the input embedding",
+        }.items()
+    ],
+    BorrowedApi(
+        "transformers internal utilities (merge_with_config_defaults, capture_outputs, OutputRecorder, "
+        "use_experts_implementation, initialization)",
+        "the same decorators and init helpers transformers' own models use for config defaults, output capture "
+        "and the grouped-experts backends",
+        lambda: module_has("transformers.utils.generic", "merge_with_config_defaults")()
+        and module_has("transformers.utils.output_capturing", "capture_outputs", "OutputRecorder")()
+        and module_has("transformers.integrations", "use_experts_implementation")()
+        and module_has("transformers.initialization", "copy_", "normal_", "zeros_")(),
+    ),
+    # torch's state-dict hook: the released per-expert keys load into the fused expert tensors under plain
+    # load_state_dict (Trainer resume), which has no public per-module hook with the same reach.
+    BorrowedApi("torch.nn.Module._load_from_state_dict", "experts accept released per-expert keys",
+                lambda: parameters(torch.nn.Module._load_from_state_dict)[1:] == [
+                    "state_dict", "prefix", "local_metadata", "strict", "missing_keys", "unexpected_keys",
+                    "error_msgs"]),
+    # Trainer hooks: checkpoints are staged in a hidden folder and renamed into place (atomic saves), and load into
+    # models sharded at load time. Trainer has no public hook around the writing of a checkpoint folder.
+    BorrowedApi("Trainer._save_checkpoint", "atomic checkpoint folders",
+                lambda: parameters(Trainer._save_checkpoint) == ["self", "model", "trial"]),
+    BorrowedApi("Trainer._get_output_dir", "points checkpoint writing at the staging folder",
+                lambda: parameters(Trainer._get_output_dir) == ["self", "trial"]),
+    BorrowedApi("Trainer._load_from_checkpoint", "resumes models sharded at load time",
+                lambda: parameters(Trainer._load_from_checkpoint)[:3] == ["self", "resume_from_checkpoint", "model"]),
+    BorrowedApi("Trainer._load_best_model", "the best checkpoint of a sharded model",
+                lambda: parameters(Trainer._load_best_model) == ["self"]),
+    # torch's CPU instruction-set queries: no public API says whether bf16 matmuls are native.
+    BorrowedApi("torch.cpu._is_avx512_bf16_supported / torch.cpu._is_amx_tile_supported",
+                "bf16 Newton–Schulz only on CPUs with native bf16 (kimi_k3.precision); a missing query means fp32",
+                lambda: hasattr(torch.cpu, "_is_avx512_bf16_supported") and hasattr(torch.cpu, "_is_amx_tile_supported")),
+]
+
+
+@pytest.mark.parametrize("api", BORROWED_API, ids=lambda api: api.name)
+def test_borrowed_api_is_still_there(api):
+    assert api.still_there(), (
+        f"transformers {transformers.__version__} / torch {torch.__version__} changed {api.name}, which this project "
+        f"uses because {api.why}. Adapt the project, or find a public replacement."
+    )
+
+
+def borrowed_underscored_names(path: pathlib.Path) -> set[str]:
+    """Single-underscore names in a file that transformers' or torch's base classes define."""
+    bases = (PreTrainedModel, PreTrainedConfig, Trainer, GenerationMixin, torch.nn.Module, torch.optim.Optimizer)
+    tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+    names = {t.string for t in tokens if t.type == tokenize.NAME and t.string[:1] == "_" and t.string[:2] != "__"}
+    return {name for name in names if any(hasattr(base, name) for base in bases)}
+
+
+def test_no_unlisted_private_api():
+    listed = " ".join(api.name for api in BORROWED_API)
+    unlisted = {
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in PROJECT_FILES
+        for name in borrowed_underscored_names(path)
+        if name not in listed
+    }
+    assert not unlisted, f"private API used but not listed in BORROWED_API (with why): {sorted(unlisted)}"
+
+
+def test_declared_transformers_range_is_the_one_the_model_files_check():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert f'"transformers{configuration_kimi_k3.SUPPORTED_TRANSFORMERS}"' in pyproject
+    assert configuration_kimi_k3.transformers_is_supported()
+    assert not configuration_kimi_k3.transformers_is_supported("5.22.2")
+    assert not configuration_kimi_k3.transformers_is_supported("5.25.0")
+
+
+def test_cache_field_follows_the_running_transformers():
+    renamed = "cache" in transformers.modeling_outputs.MoeModelOutputWithPast.__dataclass_fields__
+    assert modeling_kimi_k3.CACHE_FIELD == ("cache" if renamed else "past_key_values")
