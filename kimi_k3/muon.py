@@ -39,6 +39,7 @@ from kimi_k3.split_newton_schulz import (
     exchange_bytes,
     orthogonalize_split,
     plan_exchange,
+    sharded_exchange_bytes,
     split_domain,
 )
 
@@ -149,6 +150,8 @@ def newton_schulz_exchange_bytes(shapes, patterns, world_size, sharded, itemsize
     ``shapes`` with block ``patterns`` (``row_pattern`` of their groups; None = whole matrices), replicated (DDP)
     or dim-0 sharded (FSDP2) over ``world_size`` ranks. See :mod:`kimi_k3.split_newton_schulz` for the scheme.
     ``itemsize`` is that of the optimizer's ``ns_dtype``: bf16 (2) by default, fp32 (4) where bf16 is emulated."""
+    if sharded:
+        return sharded_exchange_bytes(shapes, patterns, world_size, NS_STEPS, itemsize)
     return exchange_bytes(plan_exchange(shapes, patterns, world_size, sharded, NS_STEPS), itemsize)
 
 
@@ -273,6 +276,8 @@ class PerHeadMuon(torch.optim.Optimizer):
             plan = plan_exchange(shapes, patterns, world_size, domain.sharded, NS_STEPS)
             if domain.sharded:
                 _check_chunked_rows(updates, plan, dist.get_rank(domain.group))
+            else:
+                _check_replicated(updates, domain.group)
             self._plans[key] = plan
         return self._plans[key]
 
@@ -305,6 +310,22 @@ def _match_rms_scale(block):
 
 def _match_rms_scale_of_shape(rows, cols):
     return MATCH_RMS_ADAMW * math.sqrt(max(rows, cols))
+
+
+def _check_replicated(updates, group):
+    """Plain parameters under a process group are taken as replicated (DDP); on the first step every rank compares the
+    sums of its updates with the others', since a rank training its own copy would silently get other ranks' blocks."""
+    sums = torch.stack([update.to_local().sum() if isinstance(update, DTensor) else update.sum() for update in updates])
+    bits = sums.float().view(torch.int32)  # compared as bit patterns: NaN sums match too
+    highest, lowest = bits.clone(), bits.clone()
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=group)
+    if not torch.equal(highest, lowest):
+        raise ValueError(
+            "Per-Head Muon found different updates on different ranks for parameters it took as replicated (plain "
+            "tensors under torch.distributed, as DDP keeps them); pass split_newton_schulz=False when each rank "
+            "trains its own model."
+        )
 
 
 def _check_chunked_rows(updates, plan, rank):

@@ -18,6 +18,7 @@ Units: bytes, shown as GB = 1e9 bytes.
 """
 
 import contextlib
+import copy
 import math
 from dataclasses import dataclass, field, replace
 
@@ -29,7 +30,7 @@ INT64_BYTES = 8
 FP32_BYTES = 4
 GB = 1e9
 KDA_CHUNK_SIZE = 64
-NEWTON_SCHULZ_ROW = "Newton-Schulz all-gather (whole updates)"
+NEWTON_SCHULZ_ROW = "Newton-Schulz exchange (split blocks; expert updates under EP gathered)"
 QUANTILE_BALANCING_ROW = "Quantile Balancing all-reduce"
 # Attention projections LoRA adapts by default (peft ``target_modules`` names, matched on the module's last name).
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_b_proj", "kv_b_proj")
@@ -282,9 +283,10 @@ def validate(config, layout: Layout, setup: Setup, specs: list[ParamSpec] | None
 
 
 def _require_muon_rows_per_rank(specs: list[ParamSpec], layout: Layout, setup: Setup) -> None:
-    """PerHeadMuon adds the gathered update to the parameter's shard in place; DTensor cannot do that for a tensor
-    whose dim 0 has fewer rows than the ranks sharding it (no sharding strategy keeps such a placement)."""
-    muon = [s for s in updated_specs(specs) if optimizer_of(s, setup) == "muon"]
+    """PerHeadMuon adds an update it gathered whole (expert tensors under expert parallelism; every other update is
+    split and added shard to shard) to the parameter's shard in place; DTensor cannot do that for a tensor whose dim 0
+    has fewer rows than the ranks sharding it (no sharding strategy keeps such a placement)."""
+    muon = [s for s in updated_specs(specs) if optimizer_of(s, setup) == "muon" and s.expert and layout.ep > 1]
     shortest = min(muon, key=lambda spec: spec.shape[0], default=None)
     if shortest is not None and shortest.shape[0] < layout.fsdp:
         raise PlanError(
@@ -455,16 +457,18 @@ def qat_fake_quantized_experts(config, specs, layout: Layout, setup: Setup, b) -
 
 
 def newton_schulz_workspace(specs, layout, setup, b) -> float:
-    """PerHeadMuon all-gathers the update of every Muon parameter (Shard -> Replicate over the parameter's whole mesh)
-    before any Newton–Schulz runs, then orthogonalises all blocks of one shape in one bf16 batch. Peak: every whole
-    update (gradient dtype) plus the bf16 copy of the largest same-shape batch."""
+    """PerHeadMuon splits Newton–Schulz over the ranks (``kimi_k3.split_newton_schulz``): a rank keeps bf16 inputs and
+    results of the blocks it owns (about 1/fsdp of the split updates each) and the bf16 copy of its largest same-shape
+    batch; expert updates under expert parallelism live on a 2-D mesh and are still gathered whole (gradient dtype)."""
     muon = [s for s in updated_specs(specs) if optimizer_of(s, setup) == "muon"]
-    whole = sum(s.numel for s in muon) * b["grad"]
+    gathered = [s for s in muon if s.expert and layout.ep > 1]
+    split = [s for s in muon if not (s.expert and layout.ep > 1)]
     by_shape = {}
     for s in muon:
-        block = s.shape[-2:]
-        by_shape[block] = by_shape.get(block, 0) + s.numel
-    return whole + max(by_shape.values(), default=0) * DTYPE_BYTES["bf16"]
+        share = s.numel if s in gathered else s.numel / layout.fsdp
+        by_shape[s.shape[-2:]] = by_shape.get(s.shape[-2:], 0) + share
+    owned = 2 * sum(s.numel for s in split) / layout.fsdp * DTYPE_BYTES["bf16"]
+    return sum(s.numel for s in gathered) * b["grad"] + owned + max(by_shape.values(), default=0) * DTYPE_BYTES["bf16"]
 
 
 def activations(config, setup: Setup, compute_bytes: int, checkpointing: bool) -> float:
@@ -545,7 +549,7 @@ def communication(config, specs, layout: Layout, setup: Setup, b) -> list[tuple[
         payload = mla_layers * config.num_attention_heads * FP32_BYTES
         rows.append(("QK-Clip max all-reduce", layout.world_size, 1, payload, 2 * payload * (layout.world_size - 1) / layout.world_size))
     if setup.optimizer == "muon":
-        rows += newton_schulz_communication(specs, layout, setup, b)
+        rows += newton_schulz_communication(config, specs, layout, setup, b)
     return rows
 
 
@@ -567,25 +571,51 @@ def quantile_balancing_payload(config) -> int:
     return moe_layers * per_layer * INT64_BYTES
 
 
-def newton_schulz_communication(specs, layout: Layout, setup: Setup, b) -> list[tuple]:
-    """PerHeadMuon gathers every sharded Muon update whole before Newton–Schulz (``redistribute`` to Replicate): one
-    all-gather per dense parameter over the fsdp ranks; an expert tensor under expert parallelism is gathered first
-    over the efsdp ranks holding the same experts (when there are several), then over the ep ranks."""
+def newton_schulz_communication(config, specs, layout: Layout, setup: Setup, b) -> list[tuple]:
+    """PerHeadMuon splits Newton–Schulz over the fsdp ranks of every Muon parameter FSDP2 shards along dim 0 on a 1-D
+    mesh (all of them without expert parallelism, the dense ones with it): two all-to-alls of the rows of blocks cut
+    by a shard boundary, in bf16, whose size ``kimi_k3.muon.newton_schulz_exchange_bytes`` gives exactly (rank 0's
+    figure). Expert tensors under expert parallelism live on a 2-D mesh and are still gathered whole: first over the
+    efsdp ranks holding the same experts (when there are several), then over the ep ranks."""
     muon = [s for s in updated_specs(specs) if optimizer_of(s, setup) == "muon"]
     if layout.world_size == 1 or not muon:
         return []
     calls, payload, sent = 0, 0, 0
+    split = [(shape, pattern) for shape, pattern in zip(*muon_blocks(config)) if not (layout.ep > 1 and len(shape) == 3)]
+    if split:
+        from kimi_k3.muon import newton_schulz_exchange_bytes
+
+        shapes, patterns = zip(*split)
+        traffic = newton_schulz_exchange_bytes(shapes, patterns, layout.fsdp, sharded=True,
+                                               itemsize=DTYPE_BYTES["bf16"])[0][0]
+        calls, payload, sent = 2, traffic, traffic
     for spec in muon:
-        shard = local_numel(spec, layout) * b["grad"]
         if spec.expert and layout.ep > 1:
+            shard = local_numel(spec, layout) * b["grad"]
             if layout.efsdp > 1:
                 calls, payload, sent = calls + 1, payload + shard, sent + shard * (layout.efsdp - 1)
             gathered = shard * layout.efsdp
             calls, payload, sent = calls + 1, payload + gathered, sent + gathered * (layout.ep - 1)
-        else:
-            calls, payload, sent = calls + 1, payload + shard, sent + shard * (layout.fsdp - 1)
     return [(NEWTON_SCHULZ_ROW, layout.world_size, calls, payload, sent)]
 
+
+_MUON_BLOCKS: dict[str, tuple] = {}
+
+
+def muon_blocks(config) -> tuple[list, list]:
+    """Global shapes and block patterns of the Muon parameters in PerHeadMuon's step order, from a meta-device model
+    (cached per configuration)."""
+    key = config.to_json_string(use_diff=False)
+    if key not in _MUON_BLOCKS:
+        import torch
+
+        from kimi_k3.muon import build_param_groups, muon_shapes_and_patterns
+        from modeling_kimi_k3 import KimiK3ForCausalLM
+
+        with torch.device("meta"):
+            model = KimiK3ForCausalLM(copy.deepcopy(config))
+        _MUON_BLOCKS[key] = muon_shapes_and_patterns(build_param_groups(model))
+    return _MUON_BLOCKS[key]
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -147,7 +147,7 @@ def shard(model, layout: Layout, path: str):
 
 def build_optimizer(model, setup: Setup):
     if setup.optimizer == "muon":
-        return PerHeadMuon.for_model(model)
+        return PerHeadMuon.for_model(model, ns_dtype="bfloat16")  # the plan's Newton–Schulz dtype, as on GPUs
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
 
 

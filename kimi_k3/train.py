@@ -579,23 +579,19 @@ def same_weights(first: Path, second: Path) -> bool:
     return all(torch.equal(tensors[0][name].get_tensor(name), tensors[1][name].get_tensor(name)) for name in tensors[0])
 
 
-def claim_output_folder(trainer: "KimiK3Trainer", checkpoint: str | None) -> run_folder.OutputFolderLock | None:
-    """Lock --output_dir for this job (on the main process; every rank learns the outcome), undo what a killed job
-    left half done, and make sure the folder still holds the checkpoint this job resolved before it was locked."""
-    args = trainer.args
+def claim_output_folder(training_args: TrainingArguments) -> run_folder.OutputFolderLock | None:
+    """Lock --output_dir for this job (on the first process; every rank learns the outcome), then undo what a killed
+    job left half done there. Everything the job decides from the folder's contents comes after this."""
     lock, refusal = None, None
-    if args.should_save:
+    if training_args.process_index == 0:
         try:
-            lock = run_folder.OutputFolderLock(args.output_dir).acquire()
-            restored = run_folder.recover_replacements(Path(args.output_dir))
+            lock = run_folder.OutputFolderLock(training_args.output_dir).acquire()
+        except ValueError as error:
+            refusal = str(error)
+        else:
+            restored = run_folder.recover_replacements(Path(training_args.output_dir))
             if restored:
                 print(f"kimi-k3-train: restored {', '.join(restored)} left mid-replacement by a killed job")
-            if resolve_checkpoint(args) != checkpoint:
-                raise UsageError(f"--output_dir {args.output_dir} changed while this job was starting; start it again")
-        except ValueError as error:
-            if lock is not None:
-                lock.release()
-            lock, refusal = None, str(error)
     refusal = broadcast_object_list([refusal])[0]
     if refusal is not None:
         raise UsageError(refusal)
@@ -618,42 +614,42 @@ def main(argv: list[str] | None = None) -> int:
     exits with status 1 and a one-line message, publishing nothing partial."""
     start = time.perf_counter()
     datasets.disable_progress_bars()
+    lock = None
     try:
-        model_args, data_args, training_args = parse_args(argv)
-        check_batch_sizes(training_args)
-        check_world_size(training_args)
-        warn_if_bf16_is_emulated(training_args.bf16, training_args.device)
-        qk_clip_tau = parse_qk_clip_tau(model_args.qk_clip_tau)
-        run_folder.check_not_locked(training_args.output_dir)
-        run_folder.check_writable(training_args.output_dir)
-        publish = publish_settings(training_args)
-        checkpoint = resolve_checkpoint(training_args)
-        set_seed(training_args.seed)  # Trainer seeds only in its constructor, after the model is initialised
+        try:
+            model_args, data_args, training_args = parse_args(argv)
+            check_batch_sizes(training_args)
+            check_world_size(training_args)
+            warn_if_bf16_is_emulated(training_args.bf16, training_args.device)
+            qk_clip_tau = parse_qk_clip_tau(model_args.qk_clip_tau)
+            run_folder.check_writable(training_args.output_dir)
+            publish = publish_settings(training_args)
+            lock = claim_output_folder(training_args)
+            checkpoint = resolve_checkpoint(training_args)
+            set_seed(training_args.seed)  # Trainer seeds only in its constructor, after the model is initialised
 
-        splits, data_description = load_corpus(
-            data_args.data_files, data_args.text_column, data_args.validation_split_percentage
-        )
-        tokenizer = build_tokenizer(model_args, splits["train"]["text"], checkpoint)
-        model = build_model(model_args, tokenizer, checkpoint, qk_clip_tau)
-        attach_expert_qat(model_args, model)
-        check_block_size(data_args.block_size, model.config)
-        if checkpoint is not None:
-            check_resumable(model, checkpoint, training_args)
-        blocks = tokenize_into_blocks(splits, tokenizer, data_args.block_size)
-        optimizer_cls_and_kwargs, callbacks = optimizer_and_callbacks(model_args, training_args, model, qk_clip_tau)
-        trainer = build_trainer(model, tokenizer, blocks, training_args, optimizer_cls_and_kwargs, callbacks)
-        lock = claim_output_folder(trainer, checkpoint)
-    except ValueError as error:
-        print(f"kimi-k3-train: error: {error}", file=sys.stderr)
-        return 2
-
-    try:
-        return run(trainer, model_args, data_args, blocks, data_description, checkpoint, publish, start)
-    except SaveError as error:
-        print(f"kimi-k3-train: error: {error}", file=sys.stderr)
-        return 1
+            splits, data_description = load_corpus(
+                data_args.data_files, data_args.text_column, data_args.validation_split_percentage
+            )
+            tokenizer = build_tokenizer(model_args, splits["train"]["text"], checkpoint)
+            model = build_model(model_args, tokenizer, checkpoint, qk_clip_tau)
+            attach_expert_qat(model_args, model)
+            check_block_size(data_args.block_size, model.config)
+            if checkpoint is not None:
+                check_resumable(model, checkpoint, training_args)
+            blocks = tokenize_into_blocks(splits, tokenizer, data_args.block_size)
+            optimizer_cls_and_kwargs, callbacks = optimizer_and_callbacks(model_args, training_args, model, qk_clip_tau)
+            trainer = build_trainer(model, tokenizer, blocks, training_args, optimizer_cls_and_kwargs, callbacks)
+        except ValueError as error:
+            print(f"kimi-k3-train: error: {error}", file=sys.stderr)
+            return 2
+        try:
+            return run(trainer, model_args, data_args, blocks, data_description, checkpoint, publish, start)
+        except SaveError as error:
+            print(f"kimi-k3-train: error: {error}", file=sys.stderr)
+            return 1
     finally:
-        if lock is not None:
+        if lock is not None:  # also removes the folder when it was created here and nothing was written
             lock.release()
 
 

@@ -23,7 +23,7 @@ from kimi_k3.parallel_plan import (
     make_plan,
     search,
 )
-from kimi_k3.parallel_verify import build_model, fake_process_group, shard, sharded_counts
+from kimi_k3.parallel_verify import CollectivePayload, build_model, fake_process_group, shard, sharded_counts
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from scripts import plan_parallel
 
@@ -82,16 +82,17 @@ def test_expert_parallel_size_that_does_not_divide_the_experts_is_refused_like_t
         shard(build_model(config, Setup(), "meta"), layout, "transformers")
 
 
-def test_muon_layout_limit_is_refused_where_per_head_muon_fails(config):
-    """b_proj has 4 rows: over 5 FSDP ranks PerHeadMuon's in-place DTensor update has no sharding strategy."""
-    with pytest.raises(PlanError, match=r"b_proj.weight` has 4 rows.*fsdp <= 4"):
-        make_plan(config, Layout(5, 5), Setup())
+def test_split_newton_schulz_runs_muon_on_matrices_with_fewer_rows_than_ranks(config):
+    """b_proj has 4 rows, sharded over 5 ranks: split Newton–Schulz adds each rank's rows to its shard in place."""
+    plan = make_plan(config, Layout(5, 5), Setup())
     with fake_process_group(5):
         model = shard(build_model(config, Setup(), "meta"), Layout(5, 5), "accelerate")
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
-        with pytest.raises(RuntimeError, match="in-place operations that require placement changes"):
+        with CollectivePayload() as sent:
             PerHeadMuon.for_model(model).step()
+    _, _, calls, payload, _ = plan_row(plan, NEWTON_SCHULZ_ROW)
+    assert (calls, payload) == (len(sent.calls), sent.payload) == (2, payload) and payload > 0
 
 
 def test_search_finds_the_smallest_world_size_that_fits(config):
@@ -153,7 +154,6 @@ def test_a_plan_that_disagrees_with_the_sharded_model_is_an_error(monkeypatch, c
         (["--world-size", "256", "--ep", "256"], "`ep` (256) must divide the 896 experts"),
         (["--world-size", "64", "--ep", "128"], "`ep` (128) must divide `fsdp` (64)"),
         (["--world-size", "16", "--tp", "2"], "`tp` must be 1"),
-        (["--world-size", "128"], "`optimizer` 'muon' cannot run with fsdp 128"),
         (["--world-size", "8", "--lora-rank", "8"], "use `optimizer` 'adamw' with LoRA"),
         (["--world-size", "8", "--param-dtype", "fp32", "--micro-batch", "0"], "`micro_batch` must be a positive"),
     ],
