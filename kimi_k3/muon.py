@@ -439,8 +439,28 @@ def _require_head_blocks(head_rows, untagged_layer_types):
 class PerHeadMuonFactory:
     """Trainer factory: ``Trainer(optimizer_cls_and_kwargs=(PerHeadMuonFactory, kwargs))`` calls
     ``PerHeadMuonFactory()(model, **kwargs)`` (hf-integration.md §3.1); kwargs are those of
-    :meth:`PerHeadMuon.for_model`. Trainer does not pass ``TrainingArguments.learning_rate`` or ``weight_decay`` to a
-    factory, so give ``lr`` and ``weight_decay`` in kwargs."""
+    :meth:`PerHeadMuon.for_model`. Trainer passes a factory the model and these kwargs only, never the
+    ``TrainingArguments``, so ``lr`` and ``weight_decay`` must be in kwargs: :meth:`from_training_args` copies them
+    (and the AdamW betas and epsilon) from the arguments."""
+
+    @classmethod
+    def from_training_args(cls, args, **overrides) -> tuple[type, dict]:
+        """``optimizer_cls_and_kwargs`` that trains with ``args``' learning rate, weight decay and AdamW settings."""
+        kwargs = {
+            "lr": args.learning_rate,
+            "weight_decay": args.weight_decay,
+            "adamw_betas": (args.adam_beta1, args.adam_beta2),
+            "adamw_eps": args.adam_epsilon,
+        }
+        return cls, {**kwargs, **overrides}
 
     def __call__(self, model, **kwargs):
+        missing = [name for name in ("lr", "weight_decay") if name not in kwargs]
+        if missing:
+            raise ValueError(
+                f"PerHeadMuonFactory needs {' and '.join(missing)} in its kwargs: Trainer does not pass it the "
+                "TrainingArguments, so their learning_rate and weight_decay would be ignored. Use "
+                "`optimizer_cls_and_kwargs=PerHeadMuonFactory.from_training_args(args)` or pass "
+                "`{'lr': args.learning_rate, 'weight_decay': args.weight_decay}`."
+            )
         return PerHeadMuon.for_model(model, **kwargs)

@@ -177,8 +177,10 @@ def _check_routers(routers: dict[str, nn.Module]) -> None:
     for name, router in routers.items():
         if router.e_score_correction_bias.dtype != torch.float32:
             raise ValueError(
-                f"{name}: e_score_correction_bias must stay float32 (training.md §1.6.7), "
-                f"got {router.e_score_correction_bias.dtype}"
+                f"{name}: e_score_correction_bias is {router.e_score_correction_bias.dtype}, but Quantile Balancing "
+                "needs float32 (its per-step updates are below bf16 resolution). The model keeps it float32 under "
+                "`.to(dtype)` and `from_pretrained(dtype=...)`; restore a cast one with "
+                "`router.e_score_correction_bias = router.e_score_correction_bias.float()`."
             )
 
 

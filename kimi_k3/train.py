@@ -449,16 +449,8 @@ def optimizer_and_callbacks(model_args: ModelArguments, training_args: TrainingA
     QK-Clip (inside Per-Head Muon's step, or as a callback after AdamW's), whose statistics join the logs."""
     optimizer_cls_and_kwargs = None
     if model_args.optimizer == "per_head_muon":
-        optimizer_cls_and_kwargs = (
-            PerHeadMuonFactory,
-            {
-                "lr": training_args.learning_rate,
-                "weight_decay": training_args.weight_decay,
-                "adamw_betas": (training_args.adam_beta1, training_args.adam_beta2),
-                "adamw_eps": training_args.adam_epsilon,
-                "ns_dtype": model_args.muon_ns_dtype,
-                "qk_clip_tau": qk_clip_tau,
-            },
+        optimizer_cls_and_kwargs = PerHeadMuonFactory.from_training_args(
+            training_args, ns_dtype=model_args.muon_ns_dtype, qk_clip_tau=qk_clip_tau
         )
     callbacks = []
     if qk_clip_tau is not None:

@@ -216,7 +216,12 @@ def test_trainer_on_model_sharded_at_load_time_equals_single_process(two_process
     assert sharded["world_size"] == scenarios.WORLD_SIZE
     assert sharded["losses"] == single["losses"]
     assert torch.equal(sharded["biases"], single["biases"])
-    assert_same_state(sharded["state"], single["state"])
+    # transformers' load-time FSDP plan (embeddings, layers and the norm/lm_head tail as separate units) sums the
+    # AttnRes norm and pseudo-query gradients of the last step in another order (the losses of all steps agree
+    # bitwise); bf16 Newton-Schulz carries the last-bit differences to at most 3e-4 in the final weights (lr 1e-2).
+    assert sharded["state"].keys() == single["state"].keys()
+    for name, tensor in single["state"].items():
+        torch.testing.assert_close(sharded["state"][name], tensor, rtol=0, atol=1e-3, msg=name)
 
 
 def test_expert_parallel_trainer_matches_single_process_up_to_summation_order(two_processes, single_process, config):

@@ -163,7 +163,9 @@ def train_with_trainer(
         args=args,
         train_dataset=[{"input_ids": row, "labels": row} for row in sequences],
         data_collator=default_data_collator,
-        optimizer_cls_and_kwargs=(PerHeadMuonFactory, {"lr": LEARNING_RATE, "qk_clip_tau": QK_CLIP_TAU}),
+        optimizer_cls_and_kwargs=(
+            PerHeadMuonFactory, {"lr": LEARNING_RATE, "weight_decay": 0.1, "qk_clip_tau": QK_CLIP_TAU}
+        ),
         callbacks=[QuantileBalancingCallback(model, per_layer_metrics=False), recorder],
     )
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
