@@ -219,6 +219,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         scales through one Frobenius normalization, which is the coupling Per-Head Muon removes, and QK-Clip
         rescales the K rows alone. ``qk_clip_tau`` turns on QK-Clip for the MLA layers (training.md §2.5).
         """
+        _refuse_lora_adapters(model)
         groups = build_param_groups(model, weight_decay=weight_decay, adamw_lr=adamw_lr, split_kv=split_kv)
         qk_clip = None if qk_clip_tau is None else QKClip(model, qk_clip_tau)
         return cls(groups, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
@@ -433,6 +434,19 @@ def _require_head_blocks(head_rows, untagged_layer_types):
             f"The config has {missing} layers but none of their per-head projections "
             f"(layers.<i>.self_attn.<name>.weight, names {names}) is a trainable parameter of the model, so "
             f"Per-Head Muon would be inert."
+        )
+
+
+def _refuse_lora_adapters(model) -> None:
+    """Per-Head Muon's blocks are heads and experts of full weight matrices. A LoRA factor (r x n or n x r) has no
+    heads, and orthogonalizing it sets all r of its singular values to one scale every step, which throws away the
+    adapter's own spectrum; AdamW is what LoRA recipes use."""
+    lora = [name for name, p in model.named_parameters() if p.requires_grad and ".lora_" in name]
+    if lora:
+        raise ValueError(
+            f"PerHeadMuon.for_model: the model trains LoRA adapters (e.g. {lora[0]}); Per-Head Muon orthogonalizes "
+            "whole per-head weight matrices, not low-rank LoRA factors. Train the adapters with AdamW (Trainer's "
+            "default optimizer, or --optimizer adamw), or merge them and train the full model with Per-Head Muon."
         )
 
 

@@ -4,9 +4,11 @@ import copy
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import StaticCache
 
+from kimi_k3.muon import PerHeadMuon
+from kimi_k3.quantile_balancing import QuantileBalancingCallback, find_routers
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from tests.conftest import tiny_config
 from tests.test_modeling import build
@@ -106,3 +108,27 @@ def test_static_cache_is_refused_naming_the_supported_cache(model, ids):
     with pytest.raises(ValueError, match=refusal):
         model(ids, cache=StaticCache(config=model.config, max_cache_len=32), use_cache=True)
     assert model.generate(ids[:1], max_new_tokens=2, do_sample=False, cache_implementation="dynamic").shape == (1, 14)
+
+
+def test_router_bias_survives_a_lora_adapter_round_trip_when_the_routers_are_saved_with_it(model, ids, tmp_path):
+    model.save_pretrained(tmp_path / "base")
+    with pytest.warns(UserWarning, match="modules_to_save=\\['gate'\\]"):
+        QuantileBalancingCallback(get_peft_model(copy.deepcopy(model), LoraConfig(target_modules=["q_proj"], r=2)))
+    config = LoraConfig(target_modules=["q_proj"], r=2, modules_to_save=["gate"])
+    tuned = get_peft_model(KimiK3ForCausalLM.from_pretrained(tmp_path / "base"), config)
+    callback = QuantileBalancingCallback(tuned)
+    before = find_routers(tuned)["layer_1"].e_score_correction_bias.clone()
+    tuned.train()
+    tuned(ids, labels=ids).loss.backward()
+    callback.update(tuned)
+    assert not torch.equal(find_routers(tuned)["layer_1"].e_score_correction_bias, before)  # QB moved the bias
+    tuned.save_pretrained(tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(KimiK3ForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
+    with torch.no_grad():
+        assert torch.equal(reloaded.eval()(ids).logits, tuned.eval()(ids).logits)
+
+
+def test_per_head_muon_refuses_lora_adapters_naming_them(model):
+    tuned = get_peft_model(model, LoraConfig(target_modules=["q_proj"], r=2))
+    with pytest.raises(ValueError, match=r"trains LoRA adapters \(e\.g\. .*lora_A.*AdamW"):
+        PerHeadMuon.for_model(tuned)

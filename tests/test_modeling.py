@@ -447,7 +447,7 @@ def test_activation_checkpointing_gives_the_same_gradients(use_reentrant, router
     plain = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     hist = model.model.layers[1].block_sparse_moe.gate.qb_histogram.clone()
     model.zero_grad()
-    model.gradient_checkpointing_enable({"use_reentrant": use_reentrant})
+    model.activation_checkpointing_enable({"use_reentrant": use_reentrant})
     model(ids, labels=ids).loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert grads.keys() == plain.keys()
