@@ -68,6 +68,34 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+class KeepsFloat32Tensors(nn.Module):
+    """Base of modules whose ``float32_tensors`` stay fp32 when the model is cast to 16 bits.
+
+    Router bias, KDA decay parameters, short convolutions and the gated output norm are precision-critical (Kimi K3
+    report §2; Kimi Linear). ``from_pretrained(dtype=...)`` keeps them fp32 through ``_keep_in_fp32_modules_strict``;
+    ``.to(torch.bfloat16)``, ``.half()`` and ``.bfloat16()`` would round them, so here they only change device. Casts
+    up (``.double()``) still apply.
+    """
+
+    float32_tensors: tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse=True):
+        if recurse:
+            for child in self.children():
+                child._apply(fn)
+        kept = [getattr(self, name) for name in self.float32_tensors]
+        kept += [tensor.grad for tensor in kept if tensor.grad is not None]
+
+        def keep_float32(tensor: torch.Tensor) -> torch.Tensor:
+            applied = fn(tensor)
+            narrowed = applied.is_floating_point() and applied.dtype.itemsize < tensor.dtype.itemsize
+            if narrowed and any(tensor is k for k in kept):
+                return tensor.to(applied.device)
+            return applied
+
+        return super()._apply(keep_float32, recurse=False)
+
+
 class KimiK3RMSNorm(nn.Module):
     """RMSNorm computed in fp32, cast back to the input dtype *before* the weight multiply (architecture.md §2.0)."""
 
@@ -86,12 +114,14 @@ class KimiK3RMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
-class KimiK3GatedRMSNorm(nn.Module):
+class KimiK3GatedRMSNorm(KeepsFloat32Tensors):
     """Per-head RMSNorm followed by a sigmoid output gate, all in fp32 (KDA output, architecture.md §2.3 step 8)."""
+
+    float32_tensors = ("weight",)
 
     def __init__(self, head_dim: int, eps: float):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(head_dim))
+        self.weight = nn.Parameter(torch.ones(head_dim, dtype=torch.float32))
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -158,8 +188,11 @@ class CompiledFunction:
     is used from then on, after one warning; the kernel's own runtime errors (e.g. out of memory) propagate.
     """
 
-    def __init__(self, function: Callable):
+    def __init__(
+        self, function: Callable, skip_hint: str = "set `use_fused_situ=False` in the config to skip the attempt"
+    ):
         self.function = function
+        self.skip_hint = skip_hint
         self.compiled: Callable | None = None
         self.failed = False
 
@@ -185,7 +218,7 @@ class CompiledFunction:
         reason = (str(error).strip().splitlines() or [""])[0]
         logger.warning(
             f"torch.compile of `{self.function.__name__}` failed, using the eager PyTorch version from now on "
-            f"(set `use_fused_situ=False` in the config to skip the attempt): {type(error).__name__}: {reason}"
+            f"({self.skip_hint}): {type(error).__name__}: {reason}"
         )
         return self.function(*args)
 
@@ -420,8 +453,24 @@ def _chunk_kda(q, k, v, g, beta, initial_state, chunk_size: int, gate_lower_boun
     return output.flatten(2, 3)[:, :, :seq_len].transpose(1, 2), state
 
 
-class KimiK3DeltaAttention(nn.Module):
+class KimiK3ShortConvolution(KeepsFloat32Tensors, nn.Conv1d):
+    """Depthwise causal convolution + SiLU (always SiLU, not ``hidden_act``) of KDA's q/k/v, in fp32."""
+
+    float32_tensors = ("weight",)
+
+    def __init__(self, channels: int, kernel_size: int):
+        super().__init__(channels, channels, kernel_size, groups=channels, bias=False, dtype=torch.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, C, context + T] -> [B, C, context + T]: left zero padding makes every output causal."""
+        x = F.pad(x.to(self.weight.dtype), (self.kernel_size[0] - 1, 0))
+        return F.silu(super().forward(x))
+
+
+class KimiK3DeltaAttention(KeepsFloat32Tensors):
     """Kimi Delta Attention with K3's lower-bounded sigmoid decay and full-rank output gate (architecture.md §2.3)."""
+
+    float32_tensors = ("A_log", "dt_bias")
 
     def __init__(self, config: KimiK3Config, layer_idx: int):
         super().__init__()
@@ -437,32 +486,29 @@ class KimiK3DeltaAttention(nn.Module):
         self.q_proj = nn.Linear(hidden_size, projection_size, bias=False)
         self.k_proj = nn.Linear(hidden_size, projection_size, bias=False)
         self.v_proj = nn.Linear(hidden_size, projection_size, bias=False)
-        self.q_conv1d = self._short_conv(projection_size)
-        self.k_conv1d = self._short_conv(projection_size)
-        self.v_conv1d = self._short_conv(projection_size)
+        self.q_conv1d = KimiK3ShortConvolution(projection_size, self.conv_kernel_size)
+        self.k_conv1d = KimiK3ShortConvolution(projection_size, self.conv_kernel_size)
+        self.v_conv1d = KimiK3ShortConvolution(projection_size, self.conv_kernel_size)
         self.f_a_proj = nn.Linear(hidden_size, self.head_dim, bias=False)
         self.f_b_proj = nn.Linear(self.head_dim, projection_size, bias=False)
-        self.A_log = nn.Parameter(torch.empty(self.num_heads))
-        self.dt_bias = nn.Parameter(torch.empty(projection_size))
+        self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(projection_size, dtype=torch.float32))
         self.b_proj = nn.Linear(hidden_size, self.num_heads, bias=False)
         self.g_proj = nn.Linear(hidden_size, projection_size, bias=False)
         self.o_norm = KimiK3GatedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(projection_size, hidden_size, bias=False)
 
-    def _short_conv(self, channels: int) -> nn.Conv1d:
-        return nn.Conv1d(channels, channels, self.conv_kernel_size, groups=channels, bias=False)
-
-    def _causal_conv(self, x: torch.Tensor, conv: nn.Conv1d, cache: Cache | None, state_idx: int) -> torch.Tensor:
-        """Depthwise causal conv + SiLU (always SiLU, not ``hidden_act``), continuing from the cached left context."""
+    def _causal_conv(
+        self, x: torch.Tensor, conv: KimiK3ShortConvolution, cache: Cache | None, state_idx: int
+    ) -> torch.Tensor:
+        """Short convolution of x [B, T, C], continuing from the cached left context."""
         seq_len = x.shape[1]
         x = x.transpose(1, 2)
         if cache is not None:
             x = cache.update_conv_state(
                 x, self.layer_idx, state_idx=state_idx, conv_kernel_size=self.conv_kernel_size
             )
-        x = F.pad(x.to(conv.weight.dtype), (self.conv_kernel_size - 1, 0))
-        out = F.silu(F.conv1d(x, conv.weight, groups=x.shape[1]))[..., -seq_len:]
-        return out.transpose(1, 2)
+        return conv(x)[..., -seq_len:].transpose(1, 2)
 
     def forward(
         self,
@@ -593,9 +639,14 @@ class KimiK3MLAAttention(nn.Module):
         shared_key = shared_key.expand(-1, self.num_heads, -1, -1)
         return torch.cat([key_nope, shared_key], dim=-1), values
 
-    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """kv_b_proj split per head into its key part [H, nope, kv_lora] and value part [H, v, kv_lora]."""
-        weight = self.kv_b_proj.weight.unflatten(0, (self.num_heads, -1))
+    def absorbed_weights(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj split per head into its key part [H, nope, kv_lora] and value part [H, v, kv_lora].
+
+        The matrix is read by applying ``kv_b_proj`` to the identity (exact: every output is one weight times 1), so
+        whatever wraps the module (a LoRA adapter, accelerate's offload hooks) acts here as in the expanded form.
+        """
+        identity = torch.eye(self.kv_lora_rank, dtype=latent.dtype, device=latent.device)
+        weight = self.kv_b_proj(identity).T.unflatten(0, (self.num_heads, -1))
         return weight.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
 
     def forward(
@@ -631,7 +682,7 @@ class KimiK3MLAAttention(nn.Module):
 
     def _attend_absorbed(self, attention_interface, queries, latent, shared_key, attention_mask, token_mask, **kwargs):
         """Attention over the cached latent: q·k_nope = (W_ukᵀ q)·c_kv, and W_uv is applied after the softmax."""
-        key_weight, value_weight = self.absorbed_weights()
+        key_weight, value_weight = self.absorbed_weights(latent)
         query_nope, query_rope = queries.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         absorbed_query = torch.cat([torch.einsum("bhtn,hnc->bhtc", query_nope, key_weight), query_rope], dim=-1)
         keys = torch.cat([latent, shared_key], dim=-1).expand(-1, self.num_heads, -1, -1)
@@ -675,17 +726,28 @@ class KimiK3MLAAttention(nn.Module):
 # ---------------------------------------------------------------------------------------------------------------------
 # Block Attention Residuals (architecture.md §2.2)
 # ---------------------------------------------------------------------------------------------------------------------
-def block_attention_residual(
-    partial: torch.Tensor, blocks: list[torch.Tensor], proj: nn.Linear, norm: KimiK3RMSNorm
-) -> torch.Tensor:
-    """Softmax mix of the block snapshots and the running partial sum, keyed by a weightless RMS, in fp32.
+class KimiK3PseudoQuery(nn.Linear):
+    """The learned pseudo-query of one AttnRes site, a [1, hidden] projection applied in fp32."""
 
-    The pseudo-query is ``norm.weight ⊙ proj.weight[0]``; the mix is over the raw (un-normalised) values.
+    def __init__(self, hidden_size: int):
+        super().__init__(hidden_size, 1, bias=False)
+
+    def forward(self, keys: torch.Tensor) -> torch.Tensor:
+        # A product and a sum rather than a GEMV, whose summation order depends on where the weight's memory starts
+        # (a memory-mapped checkpoint tensor): logits are then bit-identical however the weight was loaded.
+        return (upcast(keys) * upcast(self.weight[0])).sum(-1, keepdim=True)
+
+
+def block_attention_residual(
+    partial: torch.Tensor, bank: torch.Tensor, proj: KimiK3PseudoQuery, norm: KimiK3RMSNorm
+) -> torch.Tensor:
+    """Softmax mix of the block snapshots ``bank`` [..., blocks, hidden] and the running partial sum, in fp32.
+
+    The logits are ``proj(norm(values))`` = RMS(values) · (``norm.weight`` ⊙ ``proj.weight[0]``); the mix is over the
+    raw (un-normalised) values. Both modules run their own forward, so hooks and adapters on them take part.
     """
-    values = upcast(torch.stack([*blocks, partial], dim=-2))
-    keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    pseudo_query = upcast(norm.weight) * upcast(proj.weight[0])
-    mix = torch.softmax(keys @ pseudo_query, dim=-1)
+    values = upcast(torch.cat([bank, partial.unsqueeze(-2)], dim=-2))
+    mix = torch.softmax(proj(norm(values)).squeeze(-1), dim=-1)
     return (mix.unsqueeze(-1) * values).sum(-2).to(partial.dtype)
 
 
@@ -726,13 +788,15 @@ def required_bias_histogram(
     return masked_counts(bins, token_mask, num_experts * num_bins).view(num_experts, num_bins)
 
 
-class KimiK3TopkRouter(nn.Module):
+class KimiK3TopkRouter(KeepsFloat32Tensors):
     """Sigmoid router whose fp32 bias only picks experts; the weights come from the bias-free scores.
 
     In training forwards it *records* what balancing policies need — per-expert token counts and, for Quantile
     Balancing, the required bias r = α − s of every valid token (training.md §1.4) — and nothing else: the
     policies that turn these statistics into bias updates live outside the model.
     """
+
+    float32_tensors = ("e_score_correction_bias",)
 
     def __init__(self, config: KimiK3Config):
         super().__init__()
@@ -880,7 +944,12 @@ class KimiK3SparseMoeBlock(nn.Module):
 # Decoder layer and models (architecture.md §2.1-2.2)
 # ---------------------------------------------------------------------------------------------------------------------
 class KimiK3DecoderLayer(GradientCheckpointingLayer):
-    """One K3 layer on the (partial sum, block bank) state of Block Attention Residuals (architecture.md §2.2)."""
+    """One K3 layer on the (partial sum, block bank) state of Block Attention Residuals (architecture.md §2.2).
+
+    The partial sum and the block snapshots come in as separate positional tensors and only new tensors go out, so
+    reentrant gradient checkpointing sees (and returns gradients for) every tensor the layer reads. The model keeps
+    the bank; a layer that starts a block returns the snapshot of its input partial sum to add to it.
+    """
 
     def __init__(self, config: KimiK3Config, layer_idx: int):
         super().__init__()
@@ -899,9 +968,9 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = KimiK3RMSNorm(hidden_size, eps=eps)
         self.post_attention_layernorm = KimiK3RMSNorm(hidden_size, eps=eps)
         if self.attn_res_block_size is not None:
-            self.self_attention_res_proj = nn.Linear(hidden_size, 1, bias=False)
+            self.self_attention_res_proj = KimiK3PseudoQuery(hidden_size)
             self.self_attention_res_norm = KimiK3RMSNorm(hidden_size, eps=eps)
-            self.mlp_res_proj = nn.Linear(hidden_size, 1, bias=False)
+            self.mlp_res_proj = KimiK3PseudoQuery(hidden_size)
             self.mlp_res_norm = KimiK3RMSNorm(hidden_size, eps=eps)
 
     def feed_forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
@@ -913,34 +982,41 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
     def forward(
         self,
         partial: torch.Tensor,
-        blocks: list[torch.Tensor],
+        *blocks: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         token_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
         **kwargs,
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    ) -> tuple[torch.Tensor | None, ...]:
+        """Returns the new partial sum (the hidden state without AttnRes), the attention map and the new block
+        snapshot (each None when there is none)."""
         if self.attn_res_block_size is None:
             # Plain pre-norm residual stream (no AttnRes); `partial` is then the hidden state.
-            mixed, _ = self.self_attn(
+            mixed, attn_weights = self.self_attn(
                 self.input_layernorm(partial), attention_mask, cache=cache, token_mask=token_mask, **kwargs
             )
             hidden_states = partial + mixed
-            return hidden_states + self.feed_forward(hidden_states, token_mask), blocks
+            return hidden_states + self.feed_forward(hidden_states, token_mask), attn_weights, None
 
+        # One stack per layer: each snapshot gets one gradient contribution per layer, summed in the same order
+        # whether or not the layer is wrapped (FSDP, checkpointing), so sharded runs match single-process ones bitwise.
+        bank = torch.stack(blocks, dim=-2) if blocks else None
         mixer_input = (
-            block_attention_residual(partial, blocks, self.self_attention_res_proj, self.self_attention_res_norm)
-            if blocks
+            block_attention_residual(partial, bank, self.self_attention_res_proj, self.self_attention_res_norm)
+            if bank is not None
             else partial
         )
         starts_block = self.layer_idx % self.attn_res_block_size == 0
+        snapshot = None
         if starts_block:
-            blocks = [*blocks, partial]
-        mixed, _ = self.self_attn(
+            snapshot = partial.clone()  # a copy: reentrant checkpointing cannot return an input as an output
+            bank = snapshot.unsqueeze(-2) if bank is None else torch.cat([bank, snapshot.unsqueeze(-2)], dim=-2)
+        mixed, attn_weights = self.self_attn(
             self.input_layernorm(mixer_input), attention_mask, cache=cache, token_mask=token_mask, **kwargs
         )
         partial = mixed if starts_block else partial + mixed
-        ffn_input = block_attention_residual(partial, blocks, self.mlp_res_proj, self.mlp_res_norm)
-        return partial + self.feed_forward(ffn_input, token_mask), blocks
+        ffn_input = block_attention_residual(partial, bank, self.mlp_res_proj, self.mlp_res_norm)
+        return partial + self.feed_forward(ffn_input, token_mask), attn_weights, snapshot
 
 
 class KimiK3PreTrainedModel(PreTrainedModel):
@@ -960,7 +1036,6 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     _can_record_outputs = {
         "router_logits": OutputRecorder(KimiK3TopkRouter, index=0),
         "hidden_states": OutputRecorder(KimiK3DecoderLayer, index=0),
-        "attentions": OutputRecorder(KimiK3MLAAttention, index=1),
     }
 
     @classmethod
@@ -1025,7 +1100,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
             [KimiK3DecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
         if config.attn_res_block_size is not None:
-            self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
+            self.output_attn_res_proj = KimiK3PseudoQuery(config.hidden_size)
             self.output_attn_res_norm = KimiK3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         else:
             self.output_attn_res_proj = self.output_attn_res_norm = None
@@ -1058,6 +1133,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
             )
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
+        _check_cache_type(cache)
         past_length = cache.get_seq_length() if cache is not None else 0
         self._check_lengths(inputs_embeds, attention_mask, cache, past_length)
         if position_ids is None:
@@ -1075,20 +1151,31 @@ class KimiK3Model(KimiK3PreTrainedModel):
         if attention_mask is not None and attention_mask.ndim == 2:
             token_mask = attention_mask[:, -inputs_embeds.shape[1] :].bool().reshape(-1)
 
-        partial, blocks = inputs_embeds, []
+        output_attentions = kwargs.get("output_attentions", self.config.output_attentions)
+        partial, blocks, attentions = inputs_embeds, [], []
         for decoder_layer in self.layers:
-            partial, blocks = decoder_layer(
+            partial, attn_weights, snapshot = decoder_layer(
                 partial,
-                blocks,
+                *blocks,
                 attention_mask=masks[decoder_layer.layer_type],
                 token_mask=token_mask,
                 cache=cache,
                 **kwargs,
             )
+            if snapshot is not None:
+                blocks.append(snapshot)
+            if output_attentions:  # one entry per layer: None for KDA layers and for attention without maps (sdpa)
+                attentions.append(attn_weights)
         hidden_states = partial
         if self.output_attn_res_proj is not None:
-            hidden_states = block_attention_residual(partial, blocks, self.output_attn_res_proj, self.output_attn_res_norm)
-        return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **{CACHE_FIELD: cache})
+            hidden_states = block_attention_residual(
+                partial, torch.stack(blocks, dim=-2), self.output_attn_res_proj, self.output_attn_res_norm
+            )
+        return MoeModelOutputWithPast(
+            last_hidden_state=self.norm(hidden_states),
+            attentions=tuple(attentions) if output_attentions else None,
+            **{CACHE_FIELD: cache},
+        )
 
     def _check_input_ids(self, input_ids: torch.Tensor) -> None:
         if input_ids.ndim != 2 or input_ids.dtype not in (torch.int32, torch.int64):
@@ -1124,6 +1211,17 @@ class KimiK3Model(KimiK3PreTrainedModel):
                 f"The cache holds a batch of {cached_batch} sequences but the input has {batch_size}; "
                 "pass the cache returned for this batch (or `reorder_cache` it)."
             )
+
+
+def _check_cache_type(cache: Cache | None) -> None:
+    """KDA layers keep a recurrent state and short-conv windows, which only transformers' DynamicCache (built with
+    the model config) holds; fixed-size caches (``cache_implementation="static"`` and the other static kinds) do not."""
+    if cache is not None and not isinstance(cache, DynamicCache):
+        raise ValueError(
+            f"Kimi K3 decodes with a `DynamicCache(config=model.config)` (the hybrid KDA + MLA cache); got "
+            f"{type(cache).__name__}. In `generate`, leave `cache_implementation` unset or use 'dynamic' or "
+            "'offloaded'; static caches (e.g. `cache_implementation=\"static\"` for torch.compile) are not supported."
+        )
 
 
 def _cache_batch_size(cache: Cache | None) -> int | None:

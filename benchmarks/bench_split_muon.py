@@ -121,7 +121,7 @@ def slowest_rank(result: dict) -> dict[str, float]:
 
 
 def run(quick: bool = False, repeats: int | None = None) -> dict:
-    repeats = repeats or (2 if quick else 3)
+    repeats = repeats or 2
     batch = 2 if quick else BATCH
     rounds = 1 if quick else 2
     best = {1: {}, 2: {}}
@@ -161,6 +161,8 @@ def run(quick: bool = False, repeats: int | None = None) -> dict:
             f"whole-update all-gather it replaces moved {whole_update:.1f} MiB.",
             f"gloo on one machine, 1 intra-op thread per process, training batch {batch} x {SEQUENCE} tokens per "
             "rank; the slowest rank of each figure, fastest of the rounds.",
+            f"CPU capability {torch.backends.cpu.get_cpu_capability()}, load average {os.getloadavg()[0]:.1f} at the "
+            "end (another process on the same cores slows 2-process runs more than 1-process ones).",
         ],
     }
 

@@ -26,6 +26,7 @@ from benchmarks import (  # noqa: E402
     bench_optimizer,
     bench_router,
     bench_situ,
+    bench_split_muon,
 )
 from benchmarks.common import bench_arguments, machine_description, machine_summary, render_markdown  # noqa: E402
 
@@ -34,6 +35,7 @@ BENCHMARKS = {
     "moe": bench_moe,
     "situ": bench_situ,
     "optimizer": bench_optimizer,
+    "optimizer_split": bench_split_muon,
     "router": bench_router,
     "decode": bench_decode,
     "e2e": bench_e2e,

@@ -39,6 +39,7 @@ from kimi_k3.split_newton_schulz import (
     exchange_bytes,
     orthogonalize_split,
     plan_exchange,
+    sharded_exchange_bytes,
     split_domain,
 )
 
@@ -149,6 +150,8 @@ def newton_schulz_exchange_bytes(shapes, patterns, world_size, sharded, itemsize
     ``shapes`` with block ``patterns`` (``row_pattern`` of their groups; None = whole matrices), replicated (DDP)
     or dim-0 sharded (FSDP2) over ``world_size`` ranks. See :mod:`kimi_k3.split_newton_schulz` for the scheme.
     ``itemsize`` is that of the optimizer's ``ns_dtype``: bf16 (2) by default, fp32 (4) where bf16 is emulated."""
+    if sharded:
+        return sharded_exchange_bytes(shapes, patterns, world_size, NS_STEPS, itemsize)
     return exchange_bytes(plan_exchange(shapes, patterns, world_size, sharded, NS_STEPS), itemsize)
 
 
@@ -216,6 +219,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         scales through one Frobenius normalization, which is the coupling Per-Head Muon removes, and QK-Clip
         rescales the K rows alone. ``qk_clip_tau`` turns on QK-Clip for the MLA layers (training.md §2.5).
         """
+        _refuse_lora_adapters(model)
         groups = build_param_groups(model, weight_decay=weight_decay, adamw_lr=adamw_lr, split_kv=split_kv)
         qk_clip = None if qk_clip_tau is None else QKClip(model, qk_clip_tau)
         return cls(groups, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
@@ -273,6 +277,8 @@ class PerHeadMuon(torch.optim.Optimizer):
             plan = plan_exchange(shapes, patterns, world_size, domain.sharded, NS_STEPS)
             if domain.sharded:
                 _check_chunked_rows(updates, plan, dist.get_rank(domain.group))
+            else:
+                _check_replicated(updates, domain.group)
             self._plans[key] = plan
         return self._plans[key]
 
@@ -305,6 +311,22 @@ def _match_rms_scale(block):
 
 def _match_rms_scale_of_shape(rows, cols):
     return MATCH_RMS_ADAMW * math.sqrt(max(rows, cols))
+
+
+def _check_replicated(updates, group):
+    """Plain parameters under a process group are taken as replicated (DDP); on the first step every rank compares the
+    sums of its updates with the others', since a rank training its own copy would silently get other ranks' blocks."""
+    sums = torch.stack([update.to_local().sum() if isinstance(update, DTensor) else update.sum() for update in updates])
+    bits = sums.float().view(torch.int32)  # compared as bit patterns: NaN sums match too
+    highest, lowest = bits.clone(), bits.clone()
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=group)
+    if not torch.equal(highest, lowest):
+        raise ValueError(
+            "Per-Head Muon found different updates on different ranks for parameters it took as replicated (plain "
+            "tensors under torch.distributed, as DDP keeps them); pass split_newton_schulz=False when each rank "
+            "trains its own model."
+        )
 
 
 def _check_chunked_rows(updates, plan, rank):
@@ -415,11 +437,44 @@ def _require_head_blocks(head_rows, untagged_layer_types):
         )
 
 
+def _refuse_lora_adapters(model) -> None:
+    """Per-Head Muon's blocks are heads and experts of full weight matrices. A LoRA factor (r x n or n x r) has no
+    heads, and orthogonalizing it sets all r of its singular values to one scale every step, which throws away the
+    adapter's own spectrum; AdamW is what LoRA recipes use."""
+    lora = [name for name, p in model.named_parameters() if p.requires_grad and ".lora_" in name]
+    if lora:
+        raise ValueError(
+            f"PerHeadMuon.for_model: the model trains LoRA adapters (e.g. {lora[0]}); Per-Head Muon orthogonalizes "
+            "whole per-head weight matrices, not low-rank LoRA factors. Train the adapters with AdamW (Trainer's "
+            "default optimizer, or --optimizer adamw), or merge them and train the full model with Per-Head Muon."
+        )
+
+
 class PerHeadMuonFactory:
     """Trainer factory: ``Trainer(optimizer_cls_and_kwargs=(PerHeadMuonFactory, kwargs))`` calls
     ``PerHeadMuonFactory()(model, **kwargs)`` (hf-integration.md §3.1); kwargs are those of
-    :meth:`PerHeadMuon.for_model`. Trainer does not pass ``TrainingArguments.learning_rate`` or ``weight_decay`` to a
-    factory, so give ``lr`` and ``weight_decay`` in kwargs."""
+    :meth:`PerHeadMuon.for_model`. Trainer passes a factory the model and these kwargs only, never the
+    ``TrainingArguments``, so ``lr`` and ``weight_decay`` must be in kwargs: :meth:`from_training_args` copies them
+    (and the AdamW betas and epsilon) from the arguments."""
+
+    @classmethod
+    def from_training_args(cls, args, **overrides) -> tuple[type, dict]:
+        """``optimizer_cls_and_kwargs`` that trains with ``args``' learning rate, weight decay and AdamW settings."""
+        kwargs = {
+            "lr": args.learning_rate,
+            "weight_decay": args.weight_decay,
+            "adamw_betas": (args.adam_beta1, args.adam_beta2),
+            "adamw_eps": args.adam_epsilon,
+        }
+        return cls, {**kwargs, **overrides}
 
     def __call__(self, model, **kwargs):
+        missing = [name for name in ("lr", "weight_decay") if name not in kwargs]
+        if missing:
+            raise ValueError(
+                f"PerHeadMuonFactory needs {' and '.join(missing)} in its kwargs: Trainer does not pass it the "
+                "TrainingArguments, so their learning_rate and weight_decay would be ignored. Use "
+                "`optimizer_cls_and_kwargs=PerHeadMuonFactory.from_training_args(args)` or pass "
+                "`{'lr': args.learning_rate, 'weight_decay': args.weight_decay}`."
+            )
         return PerHeadMuon.for_model(model, **kwargs)

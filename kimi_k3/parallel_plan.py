@@ -21,6 +21,8 @@ import contextlib
 import math
 from dataclasses import dataclass, field, replace
 
+from kimi_k3.muon import _LAYER_PARAM, _head_rows_by_layer_type, newton_schulz_exchange_bytes
+
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZERS = ("muon", "adamw")
 # MXFP4: 4-bit E2M1 values plus one E8M0 scale byte per group of 32 (OCP microscaling).
@@ -29,7 +31,7 @@ INT64_BYTES = 8
 FP32_BYTES = 4
 GB = 1e9
 KDA_CHUNK_SIZE = 64
-NEWTON_SCHULZ_ROW = "Newton-Schulz all-gather (whole updates)"
+NEWTON_SCHULZ_ROWS = ("Newton-Schulz all-to-all (split blocks)", "Newton-Schulz all-gather (expert updates)")
 QUANTILE_BALANCING_ROW = "Quantile Balancing all-reduce"
 # Attention projections LoRA adapts by default (peft ``target_modules`` names, matched on the module's last name).
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_b_proj", "kv_b_proj")
@@ -54,6 +56,15 @@ class ParamSpec:
     expert: bool = False
     trainable: bool = True
     receives_grad: bool = True
+    muon_tag: tuple | None = None  # ("head_rows" | "expert_rows", rows of one block): PerHeadMuon's group key
+
+    @property
+    def block_pattern(self) -> tuple[int, ...] | None:
+        """``kimi_k3.muon.row_pattern`` of the parameter's group: rows of each block of a period, None = whole."""
+        if self.muon_tag is None:
+            return None
+        rows = self.muon_tag[1]
+        return (rows,) if isinstance(rows, int) else tuple(rows)
 
     @property
     def numel(self) -> int:
@@ -162,10 +173,12 @@ def parameter_specs(config, lora_rank: int = 0, lora_targets=DEFAULT_LORA_TARGET
     if not config.tie_word_embeddings:
         raw.append(_linear("lm_head.weight", vocab, h, "root"))
     specs = []
+    tags = _muon_tags(config)
     for name, shape, unit in raw:
         expert = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
-        spec = ParamSpec(name, tuple(shape), unit, muon_or_adamw(name, shape, expert), expert,
-                         receives_grad=not _never_in_backward(config, name))
+        optimizer = muon_or_adamw(name, shape, expert)
+        spec = ParamSpec(name, tuple(shape), unit, optimizer, expert, receives_grad=not _never_in_backward(config, name),
+                         muon_tag=tags(name) if optimizer == "muon" else None)
         if lora_rank:
             specs.append(replace(spec, trainable=False))
             module = name.rsplit(".", 2)[-2]
@@ -178,6 +191,26 @@ def parameter_specs(config, lora_rank: int = 0, lora_targets=DEFAULT_LORA_TARGET
         else:
             specs.append(spec)
     return specs
+
+
+def _muon_tags(config):
+    """name -> PerHeadMuon's block tag, by the rules of ``kimi_k3.muon.build_param_groups`` (split K and V)."""
+    head_rows = _head_rows_by_layer_type(config, split_kv=True)
+    expert_rows = {"gate_up_proj": config.moe_intermediate_size,
+                   "down_proj": config.routed_expert_hidden_size or config.hidden_size}
+
+    def tag(name):
+        layer = _LAYER_PARAM.search(name)
+        if layer is not None:
+            rows = head_rows[config.layer_types[int(layer.group(1))]].get(layer.group(2))
+            if rows is not None:
+                return ("head_rows", rows)
+        weight = name.rsplit(".", 1)[-1]
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            return ("expert_rows", expert_rows[weight])
+        return None
+
+    return tag
 
 
 def buffer_specs(config) -> list[BufferSpec]:
@@ -228,6 +261,7 @@ class Setup:
     compute_dtype: str = "bf16"
     grad_dtype: str = "fp32"
     optimizer_dtype: str = "fp32"
+    ns_dtype: str = "bf16"  # PerHeadMuon's Newton–Schulz precision ("auto" picks bf16 on GPUs)
     optimizer: str = "muon"
     lora_rank: int = 0
     qat: bool = False
@@ -261,9 +295,11 @@ def validate(config, layout: Layout, setup: Setup, specs: list[ParamSpec] | None
         if config.num_experts % layout.ep:
             raise PlanError(f"`ep` ({layout.ep}) must divide the {config.num_experts} experts (num_experts); "
                             f"sizes that divide both it and fsdp: {common_divisors(config.num_experts, layout.fsdp)}.")
-    for name in ("param_dtype", "compute_dtype", "grad_dtype", "optimizer_dtype"):
+    for name in ("param_dtype", "compute_dtype", "grad_dtype", "optimizer_dtype", "ns_dtype"):
         if getattr(setup, name) not in DTYPE_BYTES:
             raise PlanError(f"`{name}` must be one of {tuple(DTYPE_BYTES)}, got {getattr(setup, name)!r}.")
+    if setup.ns_dtype not in ("bf16", "fp32"):
+        raise PlanError(f"`ns_dtype` must be one of ('bf16', 'fp32') (PerHeadMuon's choices), got {setup.ns_dtype!r}.")
     if setup.optimizer not in OPTIMIZERS:
         raise PlanError(f"`optimizer` must be one of {OPTIMIZERS}, got {setup.optimizer!r}.")
     if setup.lora_rank < 0:
@@ -282,15 +318,14 @@ def validate(config, layout: Layout, setup: Setup, specs: list[ParamSpec] | None
 
 
 def _require_muon_rows_per_rank(specs: list[ParamSpec], layout: Layout, setup: Setup) -> None:
-    """PerHeadMuon adds the gathered update to the parameter's shard in place; DTensor cannot do that for a tensor
-    whose dim 0 has fewer rows than the ranks sharding it (no sharding strategy keeps such a placement)."""
-    muon = [s for s in updated_specs(specs) if optimizer_of(s, setup) == "muon"]
-    shortest = min(muon, key=lambda spec: spec.shape[0], default=None)
-    if shortest is not None and shortest.shape[0] < layout.fsdp:
+    """Under expert parallelism PerHeadMuon gathers each expert update whole and adds it to the 2-D (efsdp x ep)
+    shard in place; DTensor has no strategy for that when there are fewer experts than ranks sharding them."""
+    experts = [s for s in updated_specs(specs) if s.expert and optimizer_of(s, setup) == "muon"]
+    if layout.ep > 1 and experts and experts[0].shape[0] < layout.fsdp:
         raise PlanError(
-            f"`optimizer` 'muon' cannot run with fsdp {layout.fsdp}: `{shortest.name}` has {shortest.shape[0]} rows, "
-            f"fewer than the ranks FSDP2 shards it over, and DTensor refuses PerHeadMuon's in-place update of such a "
-            f"shard; use fsdp <= {shortest.shape[0]} or `optimizer` 'adamw'."
+            f"`optimizer` 'muon' cannot run with ep {layout.ep} over fsdp {layout.fsdp}: `{experts[0].name}` has "
+            f"{experts[0].shape[0]} experts, fewer than the ranks sharding them, and DTensor refuses PerHeadMuon's "
+            f"in-place update of such a shard; use fsdp <= {experts[0].shape[0]}, ep 1 or `optimizer` 'adamw'."
         )
 
 
@@ -383,17 +418,25 @@ class Plan:
         return self.total <= self.budget
 
     @property
+    def newton_schulz_traffic(self) -> tuple[int, int]:
+        """(collective calls, payload bytes handed in by rank 0) of one optimizer step's Newton–Schulz."""
+        rows = [row for row in self.communication if row[0] in NEWTON_SCHULZ_ROWS]
+        return sum(row[2] for row in rows), sum(row[3] for row in rows)
+
+    @property
     def largest_category(self) -> str:
         return max(self.memory, key=self.memory.get)
 
 
-def make_plan(config, layout: Layout, setup: Setup, specs: list[ParamSpec] | None = None) -> Plan:
-    """The plan of one layout; ``specs`` (from :func:`parameter_specs`) saves rebuilding them in a search."""
+def make_plan(config, layout: Layout, setup: Setup, specs: list[ParamSpec] | None = None,
+              with_communication: bool = True) -> Plan:
+    """The plan of one layout; ``specs`` (from :func:`parameter_specs`) saves rebuilding them in a search, which
+    also skips the communication (Newton–Schulz's block assignment takes seconds at full size)."""
     specs = parameter_specs(config, setup.lora_rank) if specs is None else specs
     validate(config, layout, setup, specs)
     counts = element_counts(config, layout, setup, specs)
     plan = Plan(config, layout, setup, counts)
-    b = {name: DTYPE_BYTES[getattr(setup, f"{name}_dtype")] for name in ("param", "compute", "grad", "optimizer")}
+    b = {name: DTYPE_BYTES[getattr(setup, f"{name}_dtype")] for name in ("param", "compute", "grad", "optimizer", "ns")}
     buffers = buffer_specs(config)
     plan.memory = {
         "parameters": counts.parameters * b["param"],
@@ -417,7 +460,8 @@ def make_plan(config, layout: Layout, setup: Setup, specs: list[ParamSpec] | Non
             f"exported MXFP4 shard of rank 0 (4.25 bits/element) would take {exported / GB:,.2f} GB."
         )
     plan.estimated = {"FSDP gathered units", "Newton-Schulz workspace", "activations", "QAT fake-quantized experts"}
-    plan.communication = communication(config, specs, layout, setup, b)
+    if with_communication:
+        plan.communication = communication(config, specs, layout, setup, b)
     return plan
 
 
@@ -455,16 +499,36 @@ def qat_fake_quantized_experts(config, specs, layout: Layout, setup: Setup, b) -
 
 
 def newton_schulz_workspace(specs, layout, setup, b) -> float:
-    """PerHeadMuon all-gathers the update of every Muon parameter (Shard -> Replicate over the parameter's whole mesh)
-    before any Newton–Schulz runs, then orthogonalises all blocks of one shape in one bf16 batch. Peak: every whole
-    update (gradient dtype) plus the bf16 copy of the largest same-shape batch."""
-    muon = [s for s in updated_specs(specs) if optimizer_of(s, setup) == "muon"]
-    whole = sum(s.numel for s in muon) * b["grad"]
+    """What PerHeadMuon's step holds at once besides the state: every local Nesterov update (gradient dtype), every
+    orthogonalised result (bf16) and, for updates split across ranks (dim-0 shards on the 1-D fsdp mesh), this rank's
+    ~1/fsdp share of whole blocks batched by shape with Newton–Schulz's iterate, Gram matrix, its polynomial and the
+    next iterate (5 bf16 copies). Expert updates under expert parallelism (2-D mesh) are gathered whole first, in the
+    gradient dtype, and batched in bf16 by shape."""
+    split, whole = muon_split_and_whole(specs, layout, setup)
+    local = sum(local_numel(s, layout) for s in split + whole) * (b["grad"] + b["ns"])
+    owned_share = 5 * sum(s.numel for s in split) / layout.fsdp * b["ns"]
     by_shape = {}
-    for s in muon:
-        block = s.shape[-2:]
-        by_shape[block] = by_shape.get(block, 0) + s.numel
-    return whole + max(by_shape.values(), default=0) * DTYPE_BYTES["bf16"]
+    for s in whole:
+        by_shape[s.shape[-2:]] = by_shape.get(s.shape[-2:], 0) + s.numel
+    gathered = sum(s.numel for s in whole) * b["grad"] + max(by_shape.values(), default=0) * b["ns"]
+    return local + owned_share + gathered
+
+
+def muon_split_and_whole(specs, layout: Layout, setup: Setup) -> tuple[list[ParamSpec], list[ParamSpec]]:
+    """Muon parameters in optimizer step order, split into those whose Newton–Schulz PerHeadMuon splits across the
+    fsdp ranks and the expert tensors it gathers whole (expert parallelism puts them on a 2-D mesh)."""
+    jobs = muon_step_order(specs, setup)
+    return [s for s in jobs if not (s.expert and layout.ep > 1)], [s for s in jobs if s.expert and layout.ep > 1]
+
+
+def muon_step_order(specs, setup: Setup) -> list[ParamSpec]:
+    """Every updated Muon parameter in PerHeadMuon's step order: ``build_param_groups`` makes one group per tag in
+    order of first appearance, parameters in model order within a group."""
+    groups = {}
+    for spec in updated_specs(specs):
+        if optimizer_of(spec, setup) == "muon":
+            groups.setdefault(spec.muon_tag, []).append(spec)
+    return [spec for members in groups.values() for spec in members]
 
 
 def activations(config, setup: Setup, compute_bytes: int, checkpointing: bool) -> float:
@@ -568,24 +632,26 @@ def quantile_balancing_payload(config) -> int:
 
 
 def newton_schulz_communication(specs, layout: Layout, setup: Setup, b) -> list[tuple]:
-    """PerHeadMuon gathers every sharded Muon update whole before Newton–Schulz (``redistribute`` to Replicate): one
-    all-gather per dense parameter over the fsdp ranks; an expert tensor under expert parallelism is gathered first
-    over the efsdp ranks holding the same experts (when there are several), then over the ep ranks."""
-    muon = [s for s in updated_specs(specs) if optimizer_of(s, setup) == "muon"]
-    if layout.world_size == 1 or not muon:
-        return []
+    """PerHeadMuon splits Newton–Schulz of dim-0 shards on the 1-D fsdp mesh across the ranks: two all-to-alls of
+    the rows of blocks cut by shard boundaries (``kimi_k3.muon.newton_schulz_exchange_bytes``, rank 0's share, in
+    the Newton–Schulz dtype). Expert tensors under expert parallelism (2-D mesh) are gathered whole, first over the efsdp ranks holding
+    the same experts (when there are several), then over the ep ranks, in the gradient dtype."""
+    split, whole = muon_split_and_whole(specs, layout, setup)
+    rows = []
+    if split and layout.fsdp > 1:
+        sent, _ = newton_schulz_exchange_bytes([s.shape for s in split], [s.block_pattern for s in split], layout.fsdp,
+                                               sharded=True, itemsize=b["ns"])[0]
+        rows.append((NEWTON_SCHULZ_ROWS[0], layout.fsdp, 2, sent, sent))
     calls, payload, sent = 0, 0, 0
-    for spec in muon:
+    for spec in whole:
         shard = local_numel(spec, layout) * b["grad"]
-        if spec.expert and layout.ep > 1:
-            if layout.efsdp > 1:
-                calls, payload, sent = calls + 1, payload + shard, sent + shard * (layout.efsdp - 1)
-            gathered = shard * layout.efsdp
-            calls, payload, sent = calls + 1, payload + gathered, sent + gathered * (layout.ep - 1)
-        else:
-            calls, payload, sent = calls + 1, payload + shard, sent + shard * (layout.fsdp - 1)
-    return [(NEWTON_SCHULZ_ROW, layout.world_size, calls, payload, sent)]
-
+        if layout.efsdp > 1:
+            calls, payload, sent = calls + 1, payload + shard, sent + shard * (layout.efsdp - 1)
+        gathered = shard * layout.efsdp
+        calls, payload, sent = calls + 1, payload + gathered, sent + gathered * (layout.ep - 1)
+    if whole:
+        rows.append((NEWTON_SCHULZ_ROWS[1], layout.world_size, calls, payload, sent))
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -610,12 +676,13 @@ def search(config, setup: Setup, max_world_size: int = 4096, step: int = 8) -> t
         plans = []
         for layout in candidate_layouts(config, world_size, setup):
             with contextlib.suppress(PlanError):
-                plans.append(make_plan(config, layout, setup, specs))
+                plans.append(make_plan(config, layout, setup, specs, with_communication=False))
         if not plans:
             continue
         best = min(plans, key=lambda plan: plan.total)
         if best.fits:
+            best = make_plan(config, best.layout, setup, specs)
             return best, best
     if best is None:
         raise PlanError(f"No layout up to {max_world_size} ranks is accepted by the sharding code for this setup.")
-    return None, best
+    return None, make_plan(config, best.layout, setup, specs)

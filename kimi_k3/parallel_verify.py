@@ -26,6 +26,7 @@ from kimi_k3.parallel_plan import DEFAULT_LORA_TARGETS, ElementCounts, Layout, S
 from modeling_kimi_k3 import KimiK3ForCausalLM
 
 SHARDING_PATHS = ("accelerate", "transformers")
+NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _STATE_FIELDS = {"momentum_buffer": "muon_momentum", "exp_avg": "adamw_exp_avg", "exp_avg_sq": "adamw_exp_avg_sq",
                  "step": "adamw_steps"}
 _COLLECTIVES = ("all_gather", "allgather", "all_reduce", "allreduce", "reduce_scatter", "all_to_all", "alltoall",
@@ -147,7 +148,7 @@ def shard(model, layout: Layout, path: str):
 
 def build_optimizer(model, setup: Setup):
     if setup.optimizer == "muon":
-        return PerHeadMuon.for_model(model)
+        return PerHeadMuon.for_model(model, ns_dtype=NS_DTYPES[setup.ns_dtype])
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
 
 

@@ -11,6 +11,7 @@ ends up with a *negative* bias.
 """
 
 import re
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -177,8 +178,10 @@ def _check_routers(routers: dict[str, nn.Module]) -> None:
     for name, router in routers.items():
         if router.e_score_correction_bias.dtype != torch.float32:
             raise ValueError(
-                f"{name}: e_score_correction_bias must stay float32 (training.md §1.6.7), "
-                f"got {router.e_score_correction_bias.dtype}"
+                f"{name}: e_score_correction_bias is {router.e_score_correction_bias.dtype}, but Quantile Balancing "
+                "needs float32 (its per-step updates are below bf16 resolution). The model keeps it float32 under "
+                "`.to(dtype)` and `from_pretrained(dtype=...)`; restore a cast one with "
+                "`router.e_score_correction_bias = router.e_score_correction_bias.float()`."
             )
 
 
@@ -257,6 +260,7 @@ class QuantileBalancingCallback(TrainerCallback):
             _check_quantile_balancing_applies(model.config, routers)
             estimator = self._check_estimator(estimator, model.config)
             _check_exact_runs_single_process(estimator, _world_size())
+            _warn_if_an_adapter_would_drop_the_bias(model)
         self.enabled = enabled
         self.update_rule = update_rule
         self.estimator = estimator
@@ -345,6 +349,22 @@ class QuantileBalancingCallback(TrainerCallback):
         if logs is not None and "loss" in logs and self.latest_metrics:
             logs.update(self.latest_metrics)
             state.log_history[-1].update(self.latest_metrics)
+
+
+def _warn_if_an_adapter_would_drop_the_bias(model: nn.Module) -> None:
+    """A PEFT adapter saves only its own tensors, so the router biases Quantile Balancing moves would be lost with it
+    unless the routers are saved with the adapter (``modules_to_save``)."""
+    if not hasattr(model, "peft_config"):
+        return
+    names = [name for name, module in model.named_modules() if hasattr(module, "e_score_correction_bias")]
+    if not any(".modules_to_save." in name for name in names):
+        warnings.warn(
+            "Quantile Balancing moves the router biases, but a PEFT adapter saves only its adapter weights: the "
+            "balanced biases would be lost when it is reloaded. Save the routers with the adapter, "
+            "LoraConfig(..., modules_to_save=['gate']) (their weights then train too unless you freeze "
+            "`modules_to_save` parameters), or merge_and_unload() and save the whole model.",
+            stacklevel=3,
+        )
 
 
 def _step_required_bias(router: nn.Module) -> torch.Tensor:

@@ -34,14 +34,18 @@ class FolderNotWritableError(ValueError):
 # One job per folder
 # ---------------------------------------------------------------------------------------------------------------------
 class OutputFolderLock:
-    """Exclusive, non-blocking lock of ``folder`` for the life of one job; ``release`` removes the lock file."""
+    """Exclusive, non-blocking lock of ``folder`` for the life of one job. ``release`` removes the lock file, and the
+    folder too when the lock created it and nothing else was written (a job stopped by bad input leaves no trace)."""
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
         self.path = self.folder / LOCK_NAME
         self._fd: int | None = None
+        self._created: list[Path] = []
 
     def acquire(self) -> "OutputFolderLock":
+        missing = [self.folder, *self.folder.parents]
+        self._created = missing[: next(i for i, path in enumerate(missing) if path.exists())]
         self.folder.mkdir(parents=True, exist_ok=True)
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -66,27 +70,17 @@ class OutputFolderLock:
         self.path.unlink(missing_ok=True)  # while still locked, so no other job can have locked this file
         os.close(self._fd)
         self._fd = None
+        for folder in self._created:
+            try:
+                folder.rmdir()
+            except OSError:  # not empty: this job wrote something there
+                break
 
     def __enter__(self) -> "OutputFolderLock":
         return self.acquire()
 
     def __exit__(self, *exc) -> None:
         self.release()
-
-
-def check_not_locked(folder: str | Path) -> None:
-    """Fail at once, writing nothing, when a running job holds ``folder``."""
-    path = Path(folder) / LOCK_NAME
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise FolderBusyError(busy_message(Path(folder), read_holder(path))) from None
-    finally:
-        os.close(fd)
 
 
 def read_holder(path: Path) -> str:

@@ -33,12 +33,14 @@ from .distributed import load_full_state_dict
 from .model_card import TrainingSummary, render_model_card
 from .muon import PerHeadMuonFactory
 from .precision import PRECISION_CHOICES, warn_if_bf16_is_emulated
+from .qat import ACTIVATION_FORMATS, WEIGHT_FORMATS, attach_qat, check_mxfp4_widths, find_routed_experts
 from .qk_clip import QKClipCallback, check_tau
 from .quantile_balancing import QuantileBalancingCallback, find_routers
-from .release_format import checkpoint_shard_files
+from .release_format import checkpoint_shard_files, export_released
 from .tokenizer import check_tokenizer_fits, load_tokenizer, train_bpe_tokenizer
 
 OPTIMIZERS = ("per_head_muon", "adamw")
+FINAL_LAYOUTS = ("ours", "released")
 # K2's published QK-Clip threshold, which K3 keeps.
 DEFAULT_QK_CLIP_TAU = "100"
 FINAL_MODEL_DIR = "model"
@@ -107,6 +109,23 @@ class ModelArguments:
         default=DEFAULT_QK_CLIP_TAU,
         metadata={"help": "QK-Clip threshold on every MLA head's max attention logit after each optimizer step "
                           "(K2's 100); 0 or none turns QK-Clip off."},
+    )
+    qat: str | None = field(
+        default=None,
+        metadata={"help": "Quantization-aware training: routed experts' weights fake-quantized to this format in every "
+                          "forward, straight-through gradients to the fp32 master weights.",
+                  "choices": WEIGHT_FORMATS},
+    )
+    qat_activations: str = field(
+        default="none",
+        metadata={"help": "With --qat, also fake-quantize the experts' input activations (mxfp8: E4M3, per-32 scales).",
+                  "choices": ACTIVATION_FORMATS},
+    )
+    final_layout: str = field(
+        default="ours",
+        metadata={"help": "Layout of the final model/ folder: ours (save_pretrained, fp32 master weights) or released "
+                          "(MXFP4 experts, what a --qat run evaluated).",
+                  "choices": FINAL_LAYOUTS},
     )
 
 
@@ -347,6 +366,18 @@ def build_model(model_args: ModelArguments, tokenizer, checkpoint: str | None,
     return model
 
 
+def attach_expert_qat(model_args: ModelArguments, model: KimiK3ForCausalLM) -> None:
+    """Fake-quantize the routed experts in every forward when --qat is given (kimi_k3.qat); checked before training,
+    as is a released final layout, which needs MXFP4-groupable expert widths."""
+    if model_args.final_layout == "released":
+        check_mxfp4_widths(find_routed_experts(model), "--final_layout released")
+    if model_args.qat is None:
+        if model_args.qat_activations != "none":
+            raise UsageError(f"--qat_activations {model_args.qat_activations} needs --qat {WEIGHT_FORMATS[0]}")
+        return
+    attach_qat(model, model_args.qat, model_args.qat_activations)
+
+
 def config_overrides(text: str | None) -> dict:
     """The --config_overrides object; a field KimiK3Config does not have is an error naming the closest one."""
     if not text:
@@ -418,16 +449,8 @@ def optimizer_and_callbacks(model_args: ModelArguments, training_args: TrainingA
     QK-Clip (inside Per-Head Muon's step, or as a callback after AdamW's), whose statistics join the logs."""
     optimizer_cls_and_kwargs = None
     if model_args.optimizer == "per_head_muon":
-        optimizer_cls_and_kwargs = (
-            PerHeadMuonFactory,
-            {
-                "lr": training_args.learning_rate,
-                "weight_decay": training_args.weight_decay,
-                "adamw_betas": (training_args.adam_beta1, training_args.adam_beta2),
-                "adamw_eps": training_args.adam_epsilon,
-                "ns_dtype": model_args.muon_ns_dtype,
-                "qk_clip_tau": qk_clip_tau,
-            },
+        optimizer_cls_and_kwargs = PerHeadMuonFactory.from_training_args(
+            training_args, ns_dtype=model_args.muon_ns_dtype, qk_clip_tau=qk_clip_tau
         )
     callbacks = []
     if qk_clip_tau is not None:
@@ -500,20 +523,29 @@ def training_summary(trainer, model_args, data_description, blocks, block_size, 
     )
 
 
-def save_final_model(model, tokenizer, card, target: Path, tag: str | None = None) -> Path:
+def save_final_model(model, tokenizer, card, target: Path, tag: str | None = None, layout: str = "ours") -> Path:
     """Model, code, tokenizer and card written to a unique sibling staging folder, then swapped in (see
-    `run_folder.replace_folder`); a failure raises `SaveError` and leaves any previous ``target`` whole."""
+    `run_folder.replace_folder`); a failure raises `SaveError` and leaves any previous ``target`` whole.
+
+    ``layout="released"`` converts the staged folder to the released layout (MXFP4 experts) before the swap; the
+    model's parameters are the master weights either way (QAT never changes them).
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.with_name(run_folder.staging_name(target.name, tag or run_folder.new_tag()))
+    tag = tag or run_folder.new_tag()
+    staging = target.with_name(run_folder.staging_name(target.name, tag))
+    released = target.with_name(run_folder.staging_name(f"{target.name}-released", tag))
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         card.save(staging / "README.md")
-        run_folder.replace_folder(staging, target)
+        if layout == "released":
+            export_released(staging, released, progress=False)
+        run_folder.replace_folder(released if layout == "released" else staging, target)
     except Exception as error:
         raise SaveError(save_failure(target.name, target.parent, error)) from error
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        for folder in (staging, released):
+            shutil.rmtree(folder, ignore_errors=True)
     return target
 
 
@@ -539,23 +571,19 @@ def same_weights(first: Path, second: Path) -> bool:
     return all(torch.equal(tensors[0][name].get_tensor(name), tensors[1][name].get_tensor(name)) for name in tensors[0])
 
 
-def claim_output_folder(trainer: "KimiK3Trainer", checkpoint: str | None) -> run_folder.OutputFolderLock | None:
-    """Lock --output_dir for this job (on the main process; every rank learns the outcome), undo what a killed job
-    left half done, and make sure the folder still holds the checkpoint this job resolved before it was locked."""
-    args = trainer.args
+def claim_output_folder(training_args: TrainingArguments) -> run_folder.OutputFolderLock | None:
+    """Lock --output_dir for this job (on the first process; every rank learns the outcome), then undo what a killed
+    job left half done there. Everything the job decides from the folder's contents comes after this."""
     lock, refusal = None, None
-    if args.should_save:
+    if training_args.process_index == 0:
         try:
-            lock = run_folder.OutputFolderLock(args.output_dir).acquire()
-            restored = run_folder.recover_replacements(Path(args.output_dir))
+            lock = run_folder.OutputFolderLock(training_args.output_dir).acquire()
+        except ValueError as error:
+            refusal = str(error)
+        else:
+            restored = run_folder.recover_replacements(Path(training_args.output_dir))
             if restored:
                 print(f"kimi-k3-train: restored {', '.join(restored)} left mid-replacement by a killed job")
-            if resolve_checkpoint(args) != checkpoint:
-                raise UsageError(f"--output_dir {args.output_dir} changed while this job was starting; start it again")
-        except ValueError as error:
-            if lock is not None:
-                lock.release()
-            lock, refusal = None, str(error)
     refusal = broadcast_object_list([refusal])[0]
     if refusal is not None:
         raise UsageError(refusal)
@@ -578,41 +606,42 @@ def main(argv: list[str] | None = None) -> int:
     exits with status 1 and a one-line message, publishing nothing partial."""
     start = time.perf_counter()
     datasets.disable_progress_bars()
+    lock = None
     try:
-        model_args, data_args, training_args = parse_args(argv)
-        check_batch_sizes(training_args)
-        check_world_size(training_args)
-        warn_if_bf16_is_emulated(training_args.bf16, training_args.device)
-        qk_clip_tau = parse_qk_clip_tau(model_args.qk_clip_tau)
-        run_folder.check_not_locked(training_args.output_dir)
-        run_folder.check_writable(training_args.output_dir)
-        publish = publish_settings(training_args)
-        checkpoint = resolve_checkpoint(training_args)
-        set_seed(training_args.seed)  # Trainer seeds only in its constructor, after the model is initialised
+        try:
+            model_args, data_args, training_args = parse_args(argv)
+            check_batch_sizes(training_args)
+            check_world_size(training_args)
+            warn_if_bf16_is_emulated(training_args.bf16, training_args.device)
+            qk_clip_tau = parse_qk_clip_tau(model_args.qk_clip_tau)
+            run_folder.check_writable(training_args.output_dir)
+            publish = publish_settings(training_args)
+            lock = claim_output_folder(training_args)
+            checkpoint = resolve_checkpoint(training_args)
+            set_seed(training_args.seed)  # Trainer seeds only in its constructor, after the model is initialised
 
-        splits, data_description = load_corpus(
-            data_args.data_files, data_args.text_column, data_args.validation_split_percentage
-        )
-        tokenizer = build_tokenizer(model_args, splits["train"]["text"], checkpoint)
-        model = build_model(model_args, tokenizer, checkpoint, qk_clip_tau)
-        check_block_size(data_args.block_size, model.config)
-        if checkpoint is not None:
-            check_resumable(model, checkpoint, training_args)
-        blocks = tokenize_into_blocks(splits, tokenizer, data_args.block_size)
-        optimizer_cls_and_kwargs, callbacks = optimizer_and_callbacks(model_args, training_args, model, qk_clip_tau)
-        trainer = build_trainer(model, tokenizer, blocks, training_args, optimizer_cls_and_kwargs, callbacks)
-        lock = claim_output_folder(trainer, checkpoint)
-    except ValueError as error:
-        print(f"kimi-k3-train: error: {error}", file=sys.stderr)
-        return 2
-
-    try:
-        return run(trainer, model_args, data_args, blocks, data_description, checkpoint, publish, start)
-    except SaveError as error:
-        print(f"kimi-k3-train: error: {error}", file=sys.stderr)
-        return 1
+            splits, data_description = load_corpus(
+                data_args.data_files, data_args.text_column, data_args.validation_split_percentage
+            )
+            tokenizer = build_tokenizer(model_args, splits["train"]["text"], checkpoint)
+            model = build_model(model_args, tokenizer, checkpoint, qk_clip_tau)
+            attach_expert_qat(model_args, model)
+            check_block_size(data_args.block_size, model.config)
+            if checkpoint is not None:
+                check_resumable(model, checkpoint, training_args)
+            blocks = tokenize_into_blocks(splits, tokenizer, data_args.block_size)
+            optimizer_cls_and_kwargs, callbacks = optimizer_and_callbacks(model_args, training_args, model, qk_clip_tau)
+            trainer = build_trainer(model, tokenizer, blocks, training_args, optimizer_cls_and_kwargs, callbacks)
+        except ValueError as error:
+            print(f"kimi-k3-train: error: {error}", file=sys.stderr)
+            return 2
+        try:
+            return run(trainer, model_args, data_args, blocks, data_description, checkpoint, publish, start)
+        except SaveError as error:
+            print(f"kimi-k3-train: error: {error}", file=sys.stderr)
+            return 1
     finally:
-        if lock is not None:
+        if lock is not None:  # also removes the folder when it was created here and nothing was written
             lock.release()
 
 
@@ -639,7 +668,9 @@ def run(trainer, model_args, data_args, blocks, data_description, checkpoint, pu
     )
     card = render_model_card(trainer.model, publish[0] if publish else Path(training_args.output_dir).name, summary,
                              layer_balance)
-    model_dir = save_final_model(trainer.model, trainer.processing_class, card, model_dir, trainer.staging_tag)
+    model_dir = save_final_model(
+        trainer.model, trainer.processing_class, card, model_dir, trainer.staging_tag, model_args.final_layout
+    )
     print_report(summary, model_dir)
     if publish:
         repo_id, token = publish

@@ -19,7 +19,6 @@ from configuration_kimi_k3 import KimiK3Config  # noqa: E402
 from kimi_k3.parallel_plan import (  # noqa: E402
     DTYPE_BYTES,
     GB,
-    NEWTON_SCHULZ_ROW,
     OPTIMIZERS,
     Layout,
     PlanError,
@@ -52,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     run.add_argument("--no-gradient-checkpointing", action="store_true")
     for name, default in (("param", "fp32"), ("compute", "bf16"), ("grad", "fp32"), ("optimizer", "fp32")):
         run.add_argument(f"--{name}-dtype", default=default, choices=tuple(DTYPE_BYTES))
+    run.add_argument("--ns-dtype", default="bf16", choices=("bf16", "fp32"), help="Per-Head Muon's Newton–Schulz "
+                                                                                 "precision (bf16 on GPUs)")
     run.add_argument("--optimizer", default="muon", choices=OPTIMIZERS)
     run.add_argument("--lora-rank", type=int, default=0, help="0: full fine-tuning")
     run.add_argument("--qat", action="store_true", help="MXFP4 quantization-aware training of the experts")
@@ -84,6 +85,7 @@ def setup_from(args) -> Setup:
     return Setup(micro_batch=args.micro_batch, sequence_length=args.seq_len, gradient_accumulation=args.grad_accum,
                  gradient_checkpointing=not args.no_gradient_checkpointing, param_dtype=args.param_dtype,
                  compute_dtype=args.compute_dtype, grad_dtype=args.grad_dtype, optimizer_dtype=args.optimizer_dtype,
+                 ns_dtype=args.ns_dtype,
                  optimizer=args.optimizer, lora_rank=args.lora_rank, qat=args.qat, qk_clip=not args.no_qk_clip,
                  gpu_memory_gb=args.gpu_memory_gb, reserved_gb=args.reserved_gb)
 
@@ -150,9 +152,9 @@ def verify(plan, sharding) -> bool:
     path = sharding or default_sharding_path(plan.layout)
     actual, sent = sharded_counts(plan.config, plan.layout, plan.setup, path)
     mismatches = plan.counts.differences(actual)
-    planned = next((row for row in plan.communication if row[0] == NEWTON_SCHULZ_ROW), (None, None, 0, 0, 0))
-    if (planned[2], planned[3]) != (len(sent.calls), sent.payload):
-        mismatches.append(f"optimizer-step collectives: plan {planned[2]} calls / {planned[3]:,} bytes vs "
+    calls, payload = plan.newton_schulz_traffic
+    if (calls, payload) != (len(sent.calls), sent.payload):
+        mismatches.append(f"optimizer-step collectives: plan {calls} calls / {payload:,} bytes vs "
                           f"{len(sent.calls)} calls / {sent.payload:,} bytes handed in by rank 0")
     what = ("shard_decoder_layers (FSDP2 per decoder layer)" if path == "accelerate"
             else "transformers' load-time sharding (DistributedConfig, base_model_ep_plan)")

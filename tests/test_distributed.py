@@ -216,7 +216,12 @@ def test_trainer_on_model_sharded_at_load_time_equals_single_process(two_process
     assert sharded["world_size"] == scenarios.WORLD_SIZE
     assert sharded["losses"] == single["losses"]
     assert torch.equal(sharded["biases"], single["biases"])
-    assert_same_state(sharded["state"], single["state"])
+    # transformers' load-time FSDP plan (embeddings, layers and the norm/lm_head tail as separate units) sums the
+    # AttnRes norm and pseudo-query gradients of the last step in another order (the losses of all steps agree
+    # bitwise); bf16 Newton-Schulz carries the last-bit differences to at most 3e-4 in the final weights (lr 1e-2).
+    assert sharded["state"].keys() == single["state"].keys()
+    for name, tensor in single["state"].items():
+        torch.testing.assert_close(sharded["state"][name], tensor, rtol=0, atol=1e-3, msg=name)
 
 
 def test_expert_parallel_trainer_matches_single_process_up_to_summation_order(two_processes, single_process, config):
@@ -258,3 +263,20 @@ def test_two_process_checkpoint_loads_and_resumes_in_one_process(two_processes, 
     )
     assert resumed["losses"] == ddp["losses"][scenarios.SAVE_STEPS:]
     assert_same_state(resumed["state"], ddp["state"])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# MXFP4 quantization-aware training (kimi_k3.qat) under DDP and FSDP2
+# ---------------------------------------------------------------------------------------------------------------------
+def test_qat_under_ddp_and_fsdp2_equals_single_process(two_processes, work, config):
+    qat = scenarios.qat_config(config)
+    single = scenarios.train_with_trainer(
+        qat, work / "single_qat", gradient_accumulation_steps=2, model=scenarios.build_qat_model(config), save_steps=None
+    )
+    assert two_processes["ddp_qat"]["losses"] == single["losses"]
+    assert_same_state(two_processes["ddp_qat"]["state"], single["state"])
+    raw = scenarios.train_single_process_raw(qat, model=scenarios.build_qat_model(config))
+    assert two_processes["fsdp_qat"]["losses"] == raw["losses"]
+    assert_same_state(two_processes["fsdp_qat"]["state"], raw["state"])
+    plain = scenarios.train_single_process_raw(qat)
+    assert plain["losses"] != raw["losses"]  # the QAT forward differs from the plain one

@@ -402,7 +402,7 @@ def test_trainer_default_scheduler_drives_muon_and_adamw_groups(tmp_path):
 def test_trainer_resume_from_checkpoint_is_bitwise(tmp_path):
     """Plain Trainer: its checkpoints hold the released per-expert keys, which the experts' load_state_dict takes."""
     config = _four_layer_config(record_attn_logit_max=True)
-    factory = (PerHeadMuonFactory, {"lr": 1e-2, "qk_clip_tau": 0.01})
+    factory = (PerHeadMuonFactory, {"lr": 1e-2, "weight_decay": 0.1, "qk_clip_tau": 0.01})
 
     def train(output_dir, resume=None):
         torch.manual_seed(0)
@@ -464,3 +464,20 @@ def test_qk_clip_refuses_a_threshold_that_is_not_a_positive_number(tau):
     model = KimiK3ForCausalLM(tiny_config(record_attn_logit_max=True))
     with pytest.raises(ValueError, match="`qk_clip_tau` must be a number > 0"):
         QKClip(model, tau)
+
+
+def test_trainer_factory_trains_with_the_training_arguments_lr_and_weight_decay(tmp_path):
+    config = _four_layer_config(record_attn_logit_max=True)
+    model = KimiK3ForCausalLM(config)
+    args = _training_args(tmp_path, max_steps=1, learning_rate=3e-4, weight_decay=0.02, adam_beta2=0.99)
+    trainer = Trainer(model=model, args=args, train_dataset=_token_dataset(config),
+                      optimizer_cls_and_kwargs=PerHeadMuonFactory.from_training_args(args, qk_clip_tau=0.01))
+    optimizer = trainer.create_optimizer()
+    assert {group["lr"] for group in optimizer.param_groups} == {3e-4}
+    assert {group["weight_decay"] for group in optimizer.param_groups} <= {0.0, 0.02}
+    assert any(group["weight_decay"] == 0.02 for group in optimizer.param_groups)
+    assert {group["betas"] for group in optimizer.param_groups} == {(0.9, 0.99)} and optimizer.qk_clip is not None
+    bare = Trainer(model=model, args=args, train_dataset=_token_dataset(config),
+                   optimizer_cls_and_kwargs=(PerHeadMuonFactory, {"lr": 3e-4}))
+    with pytest.raises(ValueError, match=r"needs weight_decay.*from_training_args\(args\)"):
+        bare.create_optimizer()

@@ -14,7 +14,7 @@ from configuration_kimi_k3 import KimiK3Config
 from kimi_k3 import parallel_plan, parallel_verify
 from kimi_k3.muon import PerHeadMuon
 from kimi_k3.parallel_plan import (
-    NEWTON_SCHULZ_ROW,
+    NEWTON_SCHULZ_ROWS,
     QUANTILE_BALANCING_ROW,
     Layout,
     PlanError,
@@ -61,8 +61,7 @@ def test_plan_counts_equal_the_meta_model_sharded_by_the_real_code(config, layou
     actual, sent = sharded_counts(config, layout, setup, path)
     assert actual == plan.counts, plan.counts.differences(actual)
     if setup.optimizer == "muon":
-        _, _, calls, payload, _ = plan_row(plan, NEWTON_SCHULZ_ROW)
-        assert (calls, payload) == (len(sent.calls), sent.payload)
+        assert plan.newton_schulz_traffic == (len(sent.calls), sent.payload)
     else:
         assert sent.calls == []
 
@@ -83,15 +82,25 @@ def test_expert_parallel_size_that_does_not_divide_the_experts_is_refused_like_t
 
 
 def test_muon_layout_limit_is_refused_where_per_head_muon_fails(config):
-    """b_proj has 4 rows: over 5 FSDP ranks PerHeadMuon's in-place DTensor update has no sharding strategy."""
-    with pytest.raises(PlanError, match=r"b_proj.weight` has 4 rows.*fsdp <= 4"):
-        make_plan(config, Layout(5, 5), Setup())
-    with fake_process_group(5):
-        model = shard(build_model(config, Setup(), "meta"), Layout(5, 5), "accelerate")
+    """Expert updates on the 2-D (efsdp x ep) mesh are gathered whole and added to the shard in place; with 64 experts
+    over 128 ranks DTensor has no sharding strategy for that add."""
+    layout = Layout(128, 128, ep=2)
+    with pytest.raises(PlanError, match=r"has 64 experts, fewer than the ranks sharding them"):
+        make_plan(config, layout, Setup())
+    with fake_process_group(128):
+        model = shard(build_model(config, Setup(), "meta"), layout, "transformers")
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
         with pytest.raises(RuntimeError, match="in-place operations that require placement changes"):
             PerHeadMuon.for_model(model).step()
+
+
+def test_split_newton_schulz_runs_muon_on_matrices_with_fewer_rows_than_ranks(config):
+    """b_proj has 4 rows, sharded over 5 ranks: split Newton–Schulz adds each rank's rows to its shard in place."""
+    plan = make_plan(config, Layout(5, 5), Setup())
+    actual, sent = sharded_counts(config, Layout(5, 5), Setup(), "accelerate")
+    assert actual == plan.counts
+    assert plan.newton_schulz_traffic == (len(sent.calls), sent.payload) and sent.payload > 0
 
 
 def test_search_finds_the_smallest_world_size_that_fits(config):
@@ -137,7 +146,7 @@ def test_small_config_fits_and_prints_both_tables(capsys):
     assert plan_parallel.main(["--config", "small", "--world-size", "2", "--seq-len", "64"]) == 0
     out = capsys.readouterr().out
     assert "fits: " in out and "communication per step per rank" in out
-    assert QUANTILE_BALANCING_ROW in out and NEWTON_SCHULZ_ROW in out
+    assert QUANTILE_BALANCING_ROW in out and NEWTON_SCHULZ_ROWS[0] in out
 
 
 def test_a_plan_that_disagrees_with_the_sharded_model_is_an_error(monkeypatch, capsys):
@@ -153,7 +162,7 @@ def test_a_plan_that_disagrees_with_the_sharded_model_is_an_error(monkeypatch, c
         (["--world-size", "256", "--ep", "256"], "`ep` (256) must divide the 896 experts"),
         (["--world-size", "64", "--ep", "128"], "`ep` (128) must divide `fsdp` (64)"),
         (["--world-size", "16", "--tp", "2"], "`tp` must be 1"),
-        (["--world-size", "128"], "`optimizer` 'muon' cannot run with fsdp 128"),
+        (["--world-size", "1024", "--ep", "8"], "`optimizer` 'muon' cannot run with ep 8 over fsdp 1024"),
         (["--world-size", "8", "--lora-rank", "8"], "use `optimizer` 'adamw' with LoRA"),
         (["--world-size", "8", "--param-dtype", "fp32", "--micro-batch", "0"], "`micro_batch` must be a positive"),
     ],
@@ -196,8 +205,7 @@ def test_plan_equals_what_a_real_two_process_run_holds_and_sends(two_process_cou
     measured = two_process_counts[run]
     plan = make_plan(config, layout, Setup(sequence_length=16))
     assert measured["counts"] == vars(plan.counts)
-    _, _, calls, payload, _ = plan_row(plan, NEWTON_SCHULZ_ROW)
-    assert (measured["newton_schulz"]["calls"], measured["newton_schulz"]["payload"]) == (calls, payload)
+    assert (measured["newton_schulz"]["calls"], measured["newton_schulz"]["payload"]) == plan.newton_schulz_traffic
     _, _, calls, payload, _ = plan_row(plan, QUANTILE_BALANCING_ROW)
     assert (measured["quantile_balancing"]["calls"], measured["quantile_balancing"]["payload"]) == (calls, payload)
     # 9 layers - 1 dense = 8 MoE layers of 64 token counts and 64 x 1000 histogram bins, int64.

@@ -19,9 +19,11 @@ from kimi_k3.split_newton_schulz import (
     Block,
     assign_blocks,
     chunk_row_ranges,
+    exchange_bytes,
     newton_schulz_flops,
     plan_exchange,
     row_blocks,
+    sharded_exchange_bytes,
 )
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from tests.conftest import tiny_config
@@ -160,3 +162,18 @@ def test_measured_traffic_is_the_exchange_bytes_formula(layout, launched):
     expected = newton_schulz_exchange_bytes(shapes, patterns, WORLD_SIZE, sharded=layout == "fsdp2",
                                             itemsize=result["ns_itemsize"])
     assert result["bytes_per_rank"] == [[traffic] * scenario.STEPS for traffic in expected]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_plain_parameters_with_different_updates_per_rank_are_refused(launched):
+    assert "pass split_newton_schulz=False when each rank trains its own model" in launched["refusal"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 8])
+def test_sharded_exchange_bytes_without_the_block_list_equal_the_full_plan(world_size):
+    for config in (KimiK3Config(num_attention_heads=3), tiny_config(num_attention_heads=3, v_head_dim=4)):
+        with torch.device("meta"):
+            shapes, patterns = muon_shapes_and_patterns(build_param_groups(KimiK3ForCausalLM(config)))
+        plan = plan_exchange(shapes, patterns, world_size, True, NS_STEPS)
+        assert sharded_exchange_bytes(shapes, patterns, world_size, NS_STEPS, 2) == exchange_bytes(plan, 2)

@@ -97,7 +97,7 @@ BORROWED_API = [
             "_is_stateful": "the KDA recurrent state rules out generation modes that rewind the cache",
             "_keep_in_fp32_modules_strict": "decay parameters, convs and the router bias stay fp32",
             "_keys_to_ignore_on_load_unexpected": "released folders also hold vision-tower and projector tensors",
-            "_can_record_outputs": "router logits, hidden states and MLA attention maps through output capturing",
+            "_can_record_outputs": "router logits and hidden states through output capturing",
             "_tied_weights_keys": "tie_word_embeddings ties lm_head to the input embedding",
         }.items()
     ],
@@ -117,6 +117,10 @@ BORROWED_API = [
                 lambda: parameters(torch.nn.Module._load_from_state_dict)[1:] == [
                     "state_dict", "prefix", "local_metadata", "strict", "missing_keys", "unexpected_keys",
                     "error_msgs"]),
+    # torch's cast hook: a module cast has no public per-tensor opt-out, and `.to(torch.bfloat16)` must not round the
+    # router bias, KDA decay parameters, short convolutions and gated output norm.
+    BorrowedApi("torch.nn.Module._apply", "16-bit casts keep the fp32 tensors fp32",
+                lambda: parameters(torch.nn.Module._apply) == ["self", "fn", "recurse"]),
     # Trainer hooks: checkpoints are staged in a hidden folder and renamed into place (atomic saves), and load into
     # models sharded at load time. Trainer has no public hook around the writing of a checkpoint folder.
     BorrowedApi("Trainer._save_checkpoint", "atomic checkpoint folders",

@@ -32,7 +32,7 @@ def one_step(model) -> dict:
     """One training step on this rank's micro-batch; what rank 0 then holds and what the optimizer and Quantile
     Balancing sent."""
     balancing = QuantileBalancingCallback(model)
-    optimizer = PerHeadMuon.for_model(model)
+    optimizer = PerHeadMuon.for_model(model, ns_dtype=torch.bfloat16)  # what "auto" picks on GPUs
     generator = torch.Generator().manual_seed(dist.get_rank())
     input_ids = torch.randint(model.config.vocab_size, (1, SEQUENCE_LENGTH), generator=generator)
     model(input_ids=input_ids, labels=input_ids).loss.backward()

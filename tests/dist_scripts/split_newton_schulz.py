@@ -98,12 +98,25 @@ def distributed_layout(config: KimiK3Config, layout: str) -> dict:
     return {"flops_per_rank": flops, "bytes_per_rank": traffic, "state": state, "ns_itemsize": result["ns_itemsize"]}
 
 
+def refusal_of_rank_dependent_updates(config: KimiK3Config) -> str:
+    """The error a step raises when plain parameters, taken as replicated, get different gradients on each rank."""
+    model = build_model(config)
+    optimizer = PerHeadMuon.for_model(model, lr=LEARNING_RATE)
+    set_gradients(model, step=dist.get_rank())
+    try:
+        optimizer.step()
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
 def main(work: Path) -> None:
     dist.init_process_group("gloo")
     results = {}
     for path in sorted(work.glob("*.json")):
         config = KimiK3Config.from_json_file(path)
         results[path.stem] = {layout: distributed_layout(config, layout) for layout in ("ddp", "fsdp2")}
+    results["refusal"] = refusal_of_rank_dependent_updates(config)
     if dist.get_rank() == 0:
         torch.save(results, work / "split.pt")
     dist.destroy_process_group()
