@@ -270,6 +270,10 @@ def batch_size(args: TrainingArguments) -> dict[str, int]:
 def parse_args(argv: list[str] | None) -> tuple[ModelArguments, DataArguments, TrainingArguments]:
     parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))
     parser.set_defaults(**TRAINING_DEFAULTS)
+    # HfArgumentParser gives a boolean's `--no_*` complement the field's own help text; say what the switch does.
+    for action in parser._actions:
+        if "--no_quantile_balancing" in action.option_strings:
+            action.help = "Leave the router bias alone (loads are still logged)."
     return parser.parse_args_into_dataclasses(args=argv)
 
 
