@@ -70,8 +70,9 @@ class CompiledFunction:
     is used from then on, after one warning; the kernel's own runtime errors (e.g. out of memory) propagate.
     """
 
-    def __init__(self, function: Callable):
+    def __init__(self, function: Callable, skip_hint: str = "train with --no_fused_situ to skip the attempt"):
         self.function = function
+        self.skip_hint = skip_hint
         self.compiled: Callable | None = None
         self.failed = False
 
@@ -97,7 +98,7 @@ class CompiledFunction:
         reason = (str(error).strip().splitlines() or [""])[0]
         logger.warning(
             f"torch.compile of `{self.function.__name__}` failed, using the eager PyTorch version from now on "
-            f"(train with --no_fused_situ to skip the attempt): {type(error).__name__}: {reason}"
+            f"({self.skip_hint}): {type(error).__name__}: {reason}"
         )
         return self.function(*args)
 

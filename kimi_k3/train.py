@@ -34,12 +34,14 @@ from .fused_situ import use_fused_situ
 from .model_card import TrainingSummary, render_model_card
 from .muon import PerHeadMuonFactory
 from .precision import PRECISION_CHOICES, warn_if_bf16_is_emulated
+from .qat import ACTIVATION_FORMATS, WEIGHT_FORMATS, attach_qat, check_mxfp4_widths, find_routed_experts
 from .qk_clip import QKClipCallback, check_tau
 from .quantile_balancing import QuantileBalancingCallback, find_routers
-from .release_format import checkpoint_shard_files
+from .release_format import checkpoint_shard_files, export_released
 from .tokenizer import check_tokenizer_fits, load_tokenizer, train_bpe_tokenizer
 
 OPTIMIZERS = ("per_head_muon", "adamw")
+FINAL_LAYOUTS = ("ours", "released")
 # K2's published QK-Clip threshold, which K3 keeps.
 DEFAULT_QK_CLIP_TAU = "100"
 FINAL_MODEL_DIR = "model"
@@ -113,6 +115,23 @@ class ModelArguments:
         default=DEFAULT_QK_CLIP_TAU,
         metadata={"help": "QK-Clip threshold on every MLA head's max attention logit after each optimizer step "
                           "(K2's 100); 0 or none turns QK-Clip off."},
+    )
+    qat: str | None = field(
+        default=None,
+        metadata={"help": "Quantization-aware training: routed experts' weights fake-quantized to this format in every "
+                          "forward, straight-through gradients to the fp32 master weights.",
+                  "choices": WEIGHT_FORMATS},
+    )
+    qat_activations: str = field(
+        default="none",
+        metadata={"help": "With --qat, also fake-quantize the experts' input activations (mxfp8: E4M3, per-32 scales).",
+                  "choices": ACTIVATION_FORMATS},
+    )
+    final_layout: str = field(
+        default="ours",
+        metadata={"help": "Layout of the final model/ folder: ours (save_pretrained, fp32 master weights) or released "
+                          "(MXFP4 experts, what a --qat run evaluated).",
+                  "choices": FINAL_LAYOUTS},
     )
 
 
@@ -257,6 +276,10 @@ def batch_size(args: TrainingArguments) -> dict[str, int]:
 def parse_args(argv: list[str] | None) -> tuple[ModelArguments, DataArguments, TrainingArguments]:
     parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))
     parser.set_defaults(**TRAINING_DEFAULTS)
+    # HfArgumentParser gives a boolean's `--no_*` complement the field's own help text; say what the switch does.
+    for action in parser._actions:
+        if "--no_quantile_balancing" in action.option_strings:
+            action.help = "Leave the router bias alone (loads are still logged)."
     return parser.parse_args_into_dataclasses(args=argv)
 
 
@@ -353,6 +376,18 @@ def build_model(model_args: ModelArguments, tokenizer, checkpoint: str | None,
             "(full_attention) layer; pass --qk_clip_tau none"
         )
     return model
+
+
+def attach_expert_qat(model_args: ModelArguments, model: KimiK3ForCausalLM) -> None:
+    """Fake-quantize the routed experts in every forward when --qat is given (kimi_k3.qat); checked before training,
+    as is a released final layout, which needs MXFP4-groupable expert widths."""
+    if model_args.final_layout == "released":
+        check_mxfp4_widths(find_routed_experts(model), "--final_layout released")
+    if model_args.qat is None:
+        if model_args.qat_activations != "none":
+            raise UsageError(f"--qat_activations {model_args.qat_activations} needs --qat {WEIGHT_FORMATS[0]}")
+        return
+    attach_qat(model, model_args.qat, model_args.qat_activations)
 
 
 def config_overrides(text: str | None) -> dict:
@@ -500,20 +535,29 @@ def training_summary(trainer, model_args, data_description, blocks, block_size, 
     )
 
 
-def save_final_model(model, tokenizer, card, target: Path, tag: str | None = None) -> Path:
+def save_final_model(model, tokenizer, card, target: Path, tag: str | None = None, layout: str = "ours") -> Path:
     """Model, code, tokenizer and card written to a unique sibling staging folder, then swapped in (see
-    `run_folder.replace_folder`); a failure raises `SaveError` and leaves any previous ``target`` whole."""
+    `run_folder.replace_folder`); a failure raises `SaveError` and leaves any previous ``target`` whole.
+
+    ``layout="released"`` converts the staged folder to the released layout (MXFP4 experts) before the swap; the
+    model's parameters are the master weights either way (QAT never changes them).
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.with_name(run_folder.staging_name(target.name, tag or run_folder.new_tag()))
+    tag = tag or run_folder.new_tag()
+    staging = target.with_name(run_folder.staging_name(target.name, tag))
+    released = target.with_name(run_folder.staging_name(f"{target.name}-released", tag))
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         card.save(staging / "README.md")
-        run_folder.replace_folder(staging, target)
+        if layout == "released":
+            export_released(staging, released, progress=False)
+        run_folder.replace_folder(released if layout == "released" else staging, target)
     except Exception as error:
         raise SaveError(save_failure(target.name, target.parent, error)) from error
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        for folder in (staging, released):
+            shutil.rmtree(folder, ignore_errors=True)
     return target
 
 
@@ -593,6 +637,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             tokenizer = build_tokenizer(model_args, splits["train"]["text"], checkpoint)
             model = build_model(model_args, tokenizer, checkpoint, qk_clip_tau)
+            attach_expert_qat(model_args, model)
             check_block_size(data_args.block_size, model.config)
             if checkpoint is not None:
                 check_resumable(model, checkpoint, training_args)
@@ -635,7 +680,9 @@ def run(trainer, model_args, data_args, blocks, data_description, checkpoint, pu
     )
     card = render_model_card(trainer.model, publish[0] if publish else Path(training_args.output_dir).name, summary,
                              layer_balance)
-    model_dir = save_final_model(trainer.model, trainer.processing_class, card, model_dir, trainer.staging_tag)
+    model_dir = save_final_model(
+        trainer.model, trainer.processing_class, card, model_dir, trainer.staging_tag, model_args.final_layout
+    )
     print_report(summary, model_dir)
     if publish:
         repo_id, token = publish

@@ -263,3 +263,20 @@ def test_two_process_checkpoint_loads_and_resumes_in_one_process(two_processes, 
     )
     assert resumed["losses"] == ddp["losses"][scenarios.SAVE_STEPS:]
     assert_same_state(resumed["state"], ddp["state"])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# MXFP4 quantization-aware training (kimi_k3.qat) under DDP and FSDP2
+# ---------------------------------------------------------------------------------------------------------------------
+def test_qat_under_ddp_and_fsdp2_equals_single_process(two_processes, work, config):
+    qat = scenarios.qat_config(config)
+    single = scenarios.train_with_trainer(
+        qat, work / "single_qat", gradient_accumulation_steps=2, model=scenarios.build_qat_model(config), save_steps=None
+    )
+    assert two_processes["ddp_qat"]["losses"] == single["losses"]
+    assert_same_state(two_processes["ddp_qat"]["state"], single["state"])
+    raw = scenarios.train_single_process_raw(qat, model=scenarios.build_qat_model(config))
+    assert two_processes["fsdp_qat"]["losses"] == raw["losses"]
+    assert_same_state(two_processes["fsdp_qat"]["state"], raw["state"])
+    plain = scenarios.train_single_process_raw(qat)
+    assert plain["losses"] != raw["losses"]  # the QAT forward differs from the plain one

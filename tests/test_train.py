@@ -550,3 +550,11 @@ def test_fresh_run_refuses_output_dir_holding_another_runs_checkpoints(trained, 
     assert train.main(tiny_args(run, trained[1])) == 2
     assert "--resume_from_checkpoint True" in capsys.readouterr().err
     assert sorted(path.name for path in run.iterdir()) == before
+
+
+def test_help_gives_each_flag_its_own_text(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--no-quantile-balancing Leave the router bias alone" in help_text
+    assert help_text.count("Update the router bias with Quantile Balancing") == 1

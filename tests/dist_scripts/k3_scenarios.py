@@ -12,6 +12,7 @@ micro-batches, consumed by ranks (DDP, FSDP) or accumulated in one process. Both
 per-micro-batch gradients and add them in the same order, so the runs agree bitwise (see test_distributed.py).
 """
 
+import copy
 import sys
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from kimi_k3.distributed import (
     sharded_loading_config,
 )
 from kimi_k3.muon import PerHeadMuon, PerHeadMuonFactory
+from kimi_k3.qat import attach_qat
 from kimi_k3.quantile_balancing import QuantileBalancingCallback, all_reduce_sum, find_routers
 from kimi_k3.train import KimiK3Trainer
 from modeling_kimi_k3 import KimiK3ForCausalLM
@@ -49,6 +51,19 @@ QK_CLIP_TAU = 0.02
 def build_model(config: KimiK3Config) -> KimiK3ForCausalLM:
     torch.manual_seed(0)
     return KimiK3ForCausalLM(config).train()
+
+
+def qat_config(config: KimiK3Config) -> KimiK3Config:
+    """The test model with expert input widths that MXFP4 can group (multiples of 32), for QAT."""
+    qat = copy.deepcopy(config)
+    qat.routed_expert_hidden_size = qat.moe_intermediate_size = 32
+    return qat
+
+
+def build_qat_model(config: KimiK3Config) -> KimiK3ForCausalLM:
+    model = build_model(qat_config(config))
+    attach_qat(model)
+    return model
 
 
 def token_sequences(config: KimiK3Config) -> torch.Tensor:
@@ -205,16 +220,16 @@ def train_raw(model, optimizer, steps: list[list[torch.Tensor]]) -> dict:
     return {"losses": losses, "biases": torch.stack(biases)}
 
 
-def train_single_process_raw(config) -> dict:
-    model = build_model(config)
+def train_single_process_raw(config, model=None) -> dict:
+    model = build_model(config) if model is None else model
     optimizer = PerHeadMuon.for_model(model, lr=LEARNING_RATE, qk_clip_tau=QK_CLIP_TAU)
     result = train_raw(model, optimizer, micro_batches(config))
     return {**result, "state": model.state_dict()}
 
 
-def train_fully_sharded(config, save_directory) -> dict:
+def train_fully_sharded(config, save_directory, model=None) -> dict:
     """FSDP2 per decoder layer over all ranks, each rank training on its own micro-batch of every step."""
-    model = shard_decoder_layers(build_model(config))
+    model = shard_decoder_layers(build_model(config) if model is None else model)
     shapes = {name: (tuple(param.to_local().shape), tuple(param.shape)) for name, param in model.named_parameters()}
     optimizer = PerHeadMuon.for_model(model, lr=LEARNING_RATE, qk_clip_tau=QK_CLIP_TAU)
     result = train_raw(model, optimizer, micro_batches(config, ranks=[dist.get_rank()]))
@@ -275,10 +290,15 @@ def main(work: Path) -> None:
     sharded_at_load = train_sharded_at_load_time(config, work)
     sharded_loaded = load_through_trainer_into_sharded_at_load_time(work, work / "single" / f"checkpoint-{STEPS}")
     expert_parallel = train_sharded_at_load_time(config, work, expert_parallel_size=WORLD_SIZE)
+    qat = qat_config(config)
+    ddp_qat = train_with_trainer(
+        qat, work / "ddp_qat", gradient_accumulation_steps=1, model=build_qat_model(config), save_steps=None
+    )
+    fsdp_qat = train_fully_sharded(qat, work / "fsdp_qat_model", model=build_qat_model(config))
     if rank == 0:
         results = {"ddp": ddp, "ddp_resumed": resumed, "balancing": balancing, "fsdp": fsdp, "fsdp_loaded": fsdp_loaded,
                    "sharded_at_load": sharded_at_load, "sharded_loaded": sharded_loaded,
-                   "expert_parallel": expert_parallel}
+                   "expert_parallel": expert_parallel, "ddp_qat": ddp_qat, "fsdp_qat": fsdp_qat}
         torch.save(results, work / "distributed.pt")
 
 
