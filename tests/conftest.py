@@ -1,7 +1,11 @@
 """Shared test set-up: offline hub, isolated HF cache, deterministic CPU runs, tiny K3 configurations."""
 
 import os
+import signal
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("HF_HOME", tempfile.mkdtemp(prefix="kimi-k3-hf-home-"))
@@ -63,3 +67,28 @@ def _deterministic():
 @pytest.fixture
 def config() -> KimiK3Config:
     return tiny_config()
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_processes(command: list[str], timeout_s: float) -> None:
+    """Run a multi-process launch (torchrun, accelerate) from the repository root with one thread per process;
+    fail the test with the output tail on error, killing the whole process group if it outlives ``timeout_s``."""
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"the multi-process run did not finish within {timeout_s} s:\n{output[-6000:]}")
+    if process.returncode != 0:
+        pytest.fail(f"the multi-process run failed (exit code {process.returncode}):\n{output[-6000:]}")
+
+
+def torchrun(script: str, *args: str, nproc: int, timeout_s: float) -> None:
+    run_processes([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+                   script, *args], timeout_s)

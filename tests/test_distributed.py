@@ -13,9 +13,7 @@ final weights agree bitwise, even through Newton–Schulz in bf16, which turns a
 visible one (see the whole-batch and expert-parallel tests)."""
 
 import os
-import signal
 import socket
-import subprocess
 import sys
 from pathlib import Path
 from unittest import mock
@@ -28,7 +26,7 @@ from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
 from accelerate.utils.launch import prepare_multi_gpu_env
 
 from modeling_kimi_k3 import KimiK3ForCausalLM
-from tests.conftest import tiny_config
+from tests.conftest import run_processes, tiny_config
 from tests.dist_scripts import k3_scenarios as scenarios
 
 pytestmark = pytest.mark.distributed
@@ -54,18 +52,7 @@ def launch_two_processes(work: Path) -> None:
         "--num_processes", str(scenarios.WORLD_SIZE), "--main_process_port", str(free_port()),
         str(Path(scenarios.__file__)), str(work),
     ]
-    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"the 2-process run did not finish within {LAUNCH_TIMEOUT_S} s:\n{output[-6000:]}")
-    if process.returncode != 0:
-        pytest.fail(f"the 2-process run failed (exit code {process.returncode}):\n{output[-6000:]}")
+    run_processes(command, LAUNCH_TIMEOUT_S)
 
 
 def assert_same_state(actual: dict, expected: dict) -> None:

@@ -201,6 +201,14 @@ def test_mxfp8_activations_quantize_both_expert_inputs_and_nothing_else():
     torch.testing.assert_close(output.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+def train_two_muon_steps(model, ids) -> None:
+    optimizer = PerHeadMuon.for_model(model, lr=1e-2)
+    for _ in range(2):
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def test_qat_with_gradient_checkpointing_and_per_head_muon_matches_the_plain_run(ids):
     def train(checkpointing: bool):
         torch.manual_seed(0)
@@ -209,11 +217,7 @@ def test_qat_with_gradient_checkpointing_and_per_head_muon_matches_the_plain_run
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
-        optimizer = PerHeadMuon.for_model(model, lr=1e-2)
-        for _ in range(2):
-            model(ids, labels=ids).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        train_two_muon_steps(model, ids)
         return model
 
     plain, checkpointed = train(False), train(True)
@@ -228,11 +232,7 @@ def test_exported_qat_model_loads_back_with_bitwise_equal_logits(ids, tmp_path):
     model = qat_model()
     attach_qat(model)
     model.train()
-    optimizer = PerHeadMuon.for_model(model, lr=1e-2)
-    for _ in range(2):
-        model(ids, labels=ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train_two_muon_steps(model, ids)
     model.eval()
     with torch.no_grad():
         qat_logits = model(ids).logits

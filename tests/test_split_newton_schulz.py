@@ -4,10 +4,6 @@ The launched run (``tests/dist_scripts/split_newton_schulz.py``) steps the defau
 one with mixed block shapes), replicated as under DDP and FSDP2-sharded, on gradients that depend only on the parameter
 name and step; the test repeats the steps in this process with the same gradients."""
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,10 +22,9 @@ from kimi_k3.split_newton_schulz import (
     sharded_exchange_bytes,
 )
 from modeling_kimi_k3 import KimiK3ForCausalLM
-from tests.conftest import tiny_config
+from tests.conftest import tiny_config, torchrun
 from tests.dist_scripts import split_newton_schulz as scenario
 
-ROOT = Path(__file__).resolve().parents[1]
 WORLD_SIZE = 2
 LAUNCH_TIMEOUT_S = 900
 
@@ -106,20 +101,7 @@ def launched(tmp_path_factory):
     work = tmp_path_factory.mktemp("split_newton_schulz")
     for name, config in configs().items():
         config.to_json_file(work / f"{name}.json")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD_SIZE),
-               str(Path(scenario.__file__)), str(work)]
-    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"the 2-process run did not finish within {LAUNCH_TIMEOUT_S} s:\n{output[-6000:]}")
-    if process.returncode != 0:
-        pytest.fail(f"the 2-process run failed (exit code {process.returncode}):\n{output[-6000:]}")
+    torchrun(str(Path(scenario.__file__)), str(work), nproc=WORLD_SIZE, timeout_s=LAUNCH_TIMEOUT_S)
     return torch.load(work / "split.pt", weights_only=False)
 
 
