@@ -39,11 +39,11 @@ if not transformers_is_supported():
     )
 
 ROUTER_SCORE_FUNCTIONS = ("sigmoid", "softmax")
-ROUTER_BALANCING_MODES = ("quantile_balancing", "none")
-QB_ESTIMATORS = ("histogram", "exact")
 SUPPORTED_ACTIVATIONS = ("situ", "silu", "gelu", "relu")
 # Training switches that older config.json files carry; they are not properties of the model, so they are dropped.
-RETIRED_TRAINING_SWITCHES = ("use_fused_situ",)
+RETIRED_TRAINING_SWITCHES = (
+    "use_fused_situ", "router_balancing", "qb_num_bins", "qb_estimator", "record_attn_logit_max"
+)
 # Saved folders load through every Auto class with `trust_remote_code` (transformers only writes the saved class).
 AUTO_MAP = {
     "AutoConfig": "configuration_kimi_k3.KimiK3Config",
@@ -79,17 +79,8 @@ class KimiK3Config(PreTrainedConfig):
     r"""
     Configuration for [`KimiK3ForCausalLM`]: the text tower of Kimi K3.
 
-    Besides the released fields, three training-side switches control what the model *records* during training
-    forwards (the policies that consume these statistics live outside the model):
-
-    router_balancing (`str`, defaults to `"quantile_balancing"`):
-        `"quantile_balancing"`: routers route with top-(k+1) in training and record the required-bias statistics of
-        Quantile Balancing (K3 report §2.3.3, Eq. 13-14). `"none"`: plain top-k, only per-expert token counts are
-        kept.
-    qb_num_bins (`int`, defaults to 1000): histogram bins of the required bias (K3 report Eq. 14).
-    qb_estimator (`str`, defaults to `"histogram"`): `"histogram"` or `"exact"` (keeps every required bias).
-    record_attn_logit_max (`bool`, defaults to `False`): MLA layers record their per-head maximum pre-softmax logit
-        during training forwards, for QK-Clip (Kimi K2 report, arXiv:2507.20534).
+    Every field is a property of the model. Training policies (router balancing, QK-Clip) are configured where they
+    run; older files that still carry their switches load, and the switches are dropped.
     """
 
     model_type = "kimi_k3"
@@ -163,10 +154,6 @@ class KimiK3Config(PreTrainedConfig):
     num_nextn_predict_layers: int = 0
 
     # What the model records for training-side policies (see the class docstring).
-    router_balancing: str = "quantile_balancing"
-    qb_num_bins: int = 1000
-    qb_estimator: str = "histogram"
-    record_attn_logit_max: bool = False
 
     # Canonical transformers layer descriptions, derived from the released fields.
     layer_types: list[str] | None = None
@@ -336,14 +323,6 @@ class KimiK3Config(PreTrainedConfig):
             self._validate_mla()
         if self.num_experts is not None:
             self._validate_moe()
-        if self.router_balancing not in ROUTER_BALANCING_MODES:
-            raise ValueError(
-                f"`router_balancing` must be one of {ROUTER_BALANCING_MODES}, got {self.router_balancing!r}."
-            )
-        if self.qb_estimator not in QB_ESTIMATORS:
-            raise ValueError(f"`qb_estimator` must be one of {QB_ESTIMATORS}, got {self.qb_estimator!r}.")
-        if not isinstance(self.qb_num_bins, int) or self.qb_num_bins < 2:
-            raise ValueError(f"`qb_num_bins` must be an integer >= 2, got {self.qb_num_bins!r}.")
 
     def _validate_field_types(self) -> None:
         """Each field of this class holds a value of its annotated type: a string such as `"1e-6"` from a hand-edited
@@ -433,17 +412,6 @@ class KimiK3Config(PreTrainedConfig):
                 f"Group-limited routing is not supported: `num_expert_group` and `topk_group` must be 1, "
                 f"got {self.num_expert_group} and {self.topk_group}."
             )
-        if self.router_balancing == "quantile_balancing":
-            if self.moe_router_activation_func != "sigmoid":
-                raise ValueError(
-                    "`router_balancing='quantile_balancing'` needs `moe_router_activation_func='sigmoid'` "
-                    "(its histogram range assumes scores in (0, 1))."
-                )
-            if self.num_experts_per_token + 1 > self.num_experts:
-                raise ValueError(
-                    f"`router_balancing='quantile_balancing'` routes with top-(k+1): `num_experts_per_token + 1` "
-                    f"({self.num_experts_per_token + 1}) must be <= `num_experts` ({self.num_experts})."
-                )
 
 
 def _handled_by_pretrained_config(key: str) -> bool:

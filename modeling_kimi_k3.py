@@ -477,7 +477,8 @@ class KimiK3MLAAttention(nn.Module):
             else None
         )
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, hidden_size, bias=False)
-        self.register_buffer("attn_logit_max", torch.full((self.num_heads,), float("-inf")), persistent=False)
+        # Called with (module, queries, keys) in full-sequence forwards; QK-Clip attaches its logit recorder here.
+        self.query_key_observer: Callable | None = None
 
     def project_queries(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.q_lora_rank is None:
@@ -516,7 +517,6 @@ class KimiK3MLAAttention(nn.Module):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None,
         cache: Cache | None = None,
-        token_mask: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch_size, seq_len, _ = hidden_states.shape
@@ -528,21 +528,21 @@ class KimiK3MLAAttention(nn.Module):
             self.config._attn_implementation, eager_attention_forward
         )
         attend = self._attend_absorbed if latent.shape[2] > seq_len else self._attend_expanded
-        attn_output, attn_weights = attend(attention_interface, queries, latent, shared_key, attention_mask, token_mask, **kwargs)
+        attn_output, attn_weights = attend(attention_interface, queries, latent, shared_key, attention_mask, **kwargs)
         attn_output = attn_output.reshape(batch_size, seq_len, -1)
         if self.g_proj is not None:
             # The gate reads the normed layer input, not the attention output (K3 report Eq. 7).
             attn_output = attn_output * torch.sigmoid(self.g_proj(hidden_states))
         return self.o_proj(attn_output), attn_weights
 
-    def _attend_expanded(self, attention_interface, queries, latent, shared_key, attention_mask, token_mask, **kwargs):
+    def _attend_expanded(self, attention_interface, queries, latent, shared_key, attention_mask, **kwargs):
         keys, values = self.expand_key_values(latent, shared_key)
-        if self.config.record_attn_logit_max and self.training and torch.is_grad_enabled():
-            self._record_logit_max(queries, keys, token_mask)
+        if self.query_key_observer is not None:
+            self.query_key_observer(self, queries, keys)
         dropout = self.attention_dropout if self.training else 0.0
         return self._attention(attention_interface, queries, keys, values, attention_mask, dropout, **kwargs)
 
-    def _attend_absorbed(self, attention_interface, queries, latent, shared_key, attention_mask, token_mask, **kwargs):
+    def _attend_absorbed(self, attention_interface, queries, latent, shared_key, attention_mask, **kwargs):
         """Attention over the cached latent: q·k_nope = (W_ukᵀ q)·c_kv, and W_uv is applied after the softmax."""
         key_weight, value_weight = self.absorbed_weights(latent)
         query_nope, query_rope = queries.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
@@ -569,20 +569,6 @@ class KimiK3MLAAttention(nn.Module):
                 self, upcast(query), upcast(key), upcast(value), attention_mask, dropout=dropout,
                 scaling=self.scaling, **kwargs,
             )
-
-    @torch.no_grad()
-    def _record_logit_max(self, queries: torch.Tensor, keys: torch.Tensor, token_mask: torch.Tensor | None) -> None:
-        """Per-head running max of the pre-softmax logits over causal pairs whose query and key are both real tokens
-        (QK-Clip): a padded query row is never attended from, so it must not trigger a clip."""
-        logits = torch.matmul(upcast(queries), upcast(keys).transpose(2, 3)) * self.scaling
-        query_len, key_len = logits.shape[-2:]
-        allowed = torch.ones(query_len, key_len, dtype=torch.bool, device=logits.device).tril(key_len - query_len)
-        allowed = allowed.expand(logits.shape[0], 1, -1, -1)
-        if token_mask is not None:
-            valid = token_mask.view(logits.shape[0], -1)
-            allowed = allowed & valid[:, None, -query_len:, None] & valid[:, None, None, -key_len:]
-        head_max = logits.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3))
-        torch.maximum(self.attn_logit_max, head_max, out=self.attn_logit_max)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -616,47 +602,10 @@ def block_attention_residual(
 # ---------------------------------------------------------------------------------------------------------------------
 # Stable LatentMoE (K3 report §2.3, Eq. 11 and 13)
 # ---------------------------------------------------------------------------------------------------------------------
-def histogram_range(bias: torch.Tensor, num_bins: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lower edge and bin width of [b_min − 1, b_max + 1] over the last dim of ``bias`` [..., n], which holds every
-    required bias r = α − s for scores in (0, 1) (K3 report Eq. 14)."""
-    low = bias.min(-1, keepdim=True).values - 1
-    return low, (bias.max(-1, keepdim=True).values + 1 - low) / num_bins
-
-
-def masked_counts(index: torch.Tensor, token_mask: torch.Tensor | None, size: int) -> torch.Tensor:
-    """Counts [size] (int64) of the values of ``index`` [N, m] in the rows where ``token_mask`` [N] is True.
-
-    Padding rows go to a spare slot that is dropped. Unlike boolean indexing, or ``bincount`` on a GPU, nothing here
-    needs a size that depends on the data, so recording statistics never waits for the device.
-    """
-    if token_mask is not None:
-        index = index.masked_fill(~token_mask[:, None], size)
-    ones = torch.ones((), dtype=torch.int64, device=index.device).expand(index.numel())
-    counts = torch.zeros(size + 1, dtype=torch.int64, device=index.device)
-    return counts.scatter_add_(0, index.reshape(-1), ones)[:size]
-
-
-def required_bias_histogram(
-    required_bias: torch.Tensor, bias: torch.Tensor, num_bins: int, token_mask: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Per-expert counts [n, B] (int64) of the required biases [N, n] in ``num_bins`` bins over ``histogram_range``,
-    counting only the rows where ``token_mask`` is True. NaN (the scores of a diverged step, which the loss already
-    shows) is not counted instead of becoming an out-of-range bin index."""
-    low, width = histogram_range(bias, num_bins)
-    position = ((required_bias - low) / width).floor().clamp_(0, num_bins - 1)
-    num_experts = position.shape[-1]
-    bins = position.long() + torch.arange(num_experts, device=position.device) * num_bins
-    bins.masked_fill_(position.isnan(), num_experts * num_bins)  # masked_counts' dropped spare slot
-    return masked_counts(bins, token_mask, num_experts * num_bins).view(num_experts, num_bins)
-
-
 class KimiK3TopkRouter(KeepsFloat32Tensors):
-    """Sigmoid router whose fp32 bias only picks experts; the weights come from the bias-free scores.
-
-    In training forwards it *records* what balancing policies need — per-expert token counts and, for Quantile
-    Balancing, the required bias r = α − s of every valid token (K3 report Eq. 14) — and nothing else: the
-    policies that turn these statistics into bias updates live outside the model.
-    """
+    """Sigmoid router whose fp32 bias only picks experts; the weights come from the bias-free scores (K3 report
+    §2.3.3). It records nothing: a balancing policy reads its outputs through a forward hook and writes
+    ``e_score_correction_bias`` between optimizer steps."""
 
     float32_tensors = ("e_score_correction_bias",)
 
@@ -667,52 +616,19 @@ class KimiK3TopkRouter(KeepsFloat32Tensors):
         self.score_function = config.moe_router_activation_func
         self.renormalize = config.moe_renormalize
         self.routed_scaling_factor = config.routed_scaling_factor
-        self.quantile_balancing = config.router_balancing == "quantile_balancing"
-        self.exact_quantiles = config.qb_estimator == "exact"
-        self.num_bins = config.qb_num_bins
         self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
-        self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.int64), persistent=False)
-        if self.quantile_balancing:
-            self.register_buffer(
-                "qb_histogram", torch.zeros(self.num_experts, self.num_bins, dtype=torch.int64), persistent=False
-            )
-        self.qb_required_bias: list[torch.Tensor] = []
 
-    def forward(
-        self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns router logits [N, n], routing weights [N, k] (fp32) and expert indices [N, k]."""
         logits = F.linear(upcast(hidden_states), upcast(self.weight))
         scores = logits.sigmoid() if self.score_function == "sigmoid" else logits.softmax(-1)
-        recording = self.training and torch.is_grad_enabled()
         with torch.no_grad():
-            choice = scores + self.e_score_correction_bias
-            use_cutoff = recording and self.quantile_balancing
-            # Top-(k+1) in training with QB: the first k are the routes, the (k+1)-th value is the cutoff α.
-            top_values, top_indices = torch.topk(choice, self.top_k + int(use_cutoff), dim=-1, sorted=use_cutoff)
-        expert_indices = top_indices[:, : self.top_k]
+            expert_indices = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, expert_indices)
         if self.renormalize and self.top_k > 1:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        weights = weights * self.routed_scaling_factor
-        if recording:
-            cutoff = top_values[:, self.top_k] if use_cutoff else None
-            self._record(scores.detach(), expert_indices, cutoff, token_mask)
-        return logits, weights, expert_indices
-
-    @torch.no_grad()
-    def _record(self, scores, expert_indices, cutoff, token_mask) -> None:
-        self.tokens_per_expert += masked_counts(expert_indices, token_mask, self.num_experts)
-        if cutoff is None:
-            return
-        required_bias = cutoff[:, None] - scores
-        if self.exact_quantiles:  # the reference estimator keeps the values, so it drops padding rows (a host sync)
-            self.qb_required_bias.append(required_bias if token_mask is None else required_bias[token_mask])
-        else:
-            self.qb_histogram += required_bias_histogram(
-                required_bias, self.e_score_correction_bias, self.num_bins, token_mask
-            )
+        return logits, weights * self.routed_scaling_factor, expert_indices
 
 
 @use_experts_implementation
@@ -786,9 +702,9 @@ class KimiK3SparseMoeBlock(nn.Module):
             else None
         )
 
-    def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
-        _, routing_weights, expert_indices = self.gate(tokens, token_mask)
+        _, routing_weights, expert_indices = self.gate(tokens)
         latent = self.experts(self.routed_expert_down_proj(tokens), expert_indices, routing_weights)
         routed = self.routed_expert_up_proj(self.routed_expert_norm(latent)).view_as(hidden_states)
         if self.shared_experts is None:
@@ -829,10 +745,10 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
             self.mlp_res_proj = KimiK3PseudoQuery(hidden_size)
             self.mlp_res_norm = KimiK3RMSNorm(hidden_size, eps=eps)
 
-    def feed_forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
+    def feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         hidden_states = self.post_attention_layernorm(hidden_states)
         if hasattr(self, "block_sparse_moe"):
-            return self.block_sparse_moe(hidden_states, token_mask)
+            return self.block_sparse_moe(hidden_states)
         return self.mlp(hidden_states)
 
     def forward(
@@ -840,7 +756,6 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         block_sum: torch.Tensor,
         *blocks: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        token_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor | None, ...]:
@@ -849,10 +764,10 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         if self.attn_res_block_size is None:
             # Plain pre-norm residual stream (no AttnRes); `block_sum` is then the hidden state.
             mixed, attn_weights = self.self_attn(
-                self.input_layernorm(block_sum), attention_mask, cache=cache, token_mask=token_mask, **kwargs
+                self.input_layernorm(block_sum), attention_mask, cache=cache, **kwargs
             )
             hidden_states = block_sum + mixed
-            return hidden_states + self.feed_forward(hidden_states, token_mask), attn_weights, None
+            return hidden_states + self.feed_forward(hidden_states), attn_weights, None
 
         # One stack per layer: each snapshot gets one gradient contribution per layer, summed in the same order
         # whether or not the layer is wrapped (FSDP, checkpointing), so sharded runs match single-process ones bitwise.
@@ -868,11 +783,11 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
             snapshot = block_sum.clone()  # a copy: reentrant checkpointing cannot return an input as an output
             bank = snapshot.unsqueeze(-2) if bank is None else torch.cat([bank, snapshot.unsqueeze(-2)], dim=-2)
         mixed, attn_weights = self.self_attn(
-            self.input_layernorm(mixer_input), attention_mask, cache=cache, token_mask=token_mask, **kwargs
+            self.input_layernorm(mixer_input), attention_mask, cache=cache, **kwargs
         )
         block_sum = mixed if starts_block else block_sum + mixed
         ffn_input = block_attention_residual(block_sum, bank, self.mlp_res_proj, self.mlp_res_norm)
-        return block_sum + self.feed_forward(ffn_input, token_mask), attn_weights, snapshot
+        return block_sum + self.feed_forward(ffn_input), attn_weights, snapshot
 
 
 class KimiK3PreTrainedModel(PreTrainedModel):
@@ -928,14 +843,9 @@ class KimiK3PreTrainedModel(PreTrainedModel):
             init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))
         elif isinstance(module, (KimiK3RMSNorm, KimiK3GatedRMSNorm)):
             init.ones_(module.weight)
-        elif isinstance(module, KimiK3MLAAttention):
-            init.constant_(module.attn_logit_max, float("-inf"))
         elif isinstance(module, KimiK3TopkRouter):
             init.normal_(module.weight, mean=0.0, std=std)
             init.zeros_(module.e_score_correction_bias)
-            init.zeros_(module.tokens_per_expert)
-            if module.quantile_balancing:
-                init.zeros_(module.qb_histogram)
         elif isinstance(module, KimiK3Experts):
             init.normal_(module.gate_up_proj, mean=0.0, std=std)
             init.normal_(module.down_proj, mean=0.0, std=std)
@@ -1008,9 +918,6 @@ class KimiK3Model(KimiK3PreTrainedModel):
             "full_attention": create_causal_mask(*mask_args, position_ids=position_ids),
             "linear_attention": create_recurrent_attention_mask(*mask_args, position_ids=position_ids),
         }
-        token_mask = None
-        if attention_mask is not None and attention_mask.ndim == 2:
-            token_mask = attention_mask[:, -inputs_embeds.shape[1] :].bool().reshape(-1)
 
         output_attentions = kwargs.get("output_attentions", self.config.output_attentions)
         block_sum, blocks, attentions = inputs_embeds, [], []
@@ -1019,7 +926,6 @@ class KimiK3Model(KimiK3PreTrainedModel):
                 block_sum,
                 *blocks,
                 attention_mask=masks[decoder_layer.layer_type],
-                token_mask=token_mask,
                 cache=cache,
                 **kwargs,
             )

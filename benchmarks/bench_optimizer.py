@@ -194,7 +194,6 @@ def small_k3_config() -> KimiK3Config:
         moe_intermediate_size=64,
         routed_expert_hidden_size=64,
         attn_res_block_size=2,
-        router_balancing="none",
     )
 
 

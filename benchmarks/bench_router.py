@@ -1,9 +1,10 @@
-"""P5: the cost of recording Quantile Balancing statistics in the router, as a share of the MoE block forward.
+"""P5: the cost of recording Quantile Balancing statistics on the router, as a share of the MoE block forward.
 
-In training forwards (train mode, grad enabled) the router routes with a sorted top-(k+1), and adds every valid
-token's required bias r = α − s to the [n, B] histogram (training.md §1.4). The baseline is the plain top-k of the
-same router in eval mode (no recording); "none" is ``router_balancing="none"`` (per-expert counts only). The overhead
-is (QB router − plain router) / MoE block forward, all timed interleaved in one run.
+In training forwards (train mode, grad enabled) the ``RouterStatistics`` hook that ``QuantileBalancingCallback``
+attaches to a router counts each valid token's experts and adds its required bias r = α − s to the [n, B] histogram
+(training.md §1.4). The baseline is the same router without the hook; "counts only" is the hook of the sign and
+"none" rules. The overhead is (router with hook − router without) / MoE block forward, all timed interleaved in one
+run.
 
     python benchmarks/bench_router.py [--quick]
 """
@@ -18,6 +19,7 @@ from benchmarks.common import bench_arguments, report, time_interleaved  # noqa:
 from benchmarks.bench_moe import HIDDEN, INTERMEDIATE, LATENT, SHARED, initialise  # noqa: E402
 import torch  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
+from kimi_k3.quantile_balancing import RouterStatistics  # noqa: E402
 from modeling_kimi_k3 import KimiK3SparseMoeBlock, KimiK3TopkRouter  # noqa: E402
 
 PADDING_FRACTION = 0.1
@@ -39,41 +41,55 @@ def configs(quick: bool) -> list[tuple[str, KimiK3Config, int]]:
     ]
 
 
-def router_variants(config: KimiK3Config, block: KimiK3SparseMoeBlock) -> dict[str, KimiK3TopkRouter]:
-    """The block's own router (QB) and a copy with router_balancing='none', sharing its weights."""
-    plain_config = KimiK3Config(**{**config.to_dict(), "router_balancing": "none"})
-    plain = KimiK3TopkRouter(plain_config)
-    plain.load_state_dict(block.gate.state_dict())
-    return {"qb": block.gate.train(), "none": plain.train()}
+class FixedPadding:
+    """Stands in for the decoder stack's PaddingTracker: the router is called directly here."""
+
+    def __init__(self):
+        self.token_mask = None
+
+    def rows(self, num_rows: int) -> torch.Tensor | None:
+        return self.token_mask
+
+
+def router_variants(config: KimiK3Config, block: KimiK3SparseMoeBlock, padding: FixedPadding) -> dict:
+    """The block's own router with the QB hook, and copies with the counts-only hook and with no hook."""
+    routers = {"qb": block.gate.train()}
+    for name in ("none", "plain"):
+        routers[name] = KimiK3TopkRouter(config).train()
+        routers[name].load_state_dict(block.gate.state_dict())
+    RouterStatistics(routers["qb"], padding, "histogram", num_bins=1000)
+    RouterStatistics(routers["none"], padding, None, num_bins=1000)
+    return routers
 
 
 def measure(name: str, config: KimiK3Config, tokens: int, repeats: int) -> list[dict]:
     config._experts_implementation = "grouped_mm"
     block = initialise(KimiK3SparseMoeBlock(config))
-    routers = router_variants(config, block)
+    padding = FixedPadding()
+    routers = router_variants(config, block, padding)
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(1, tokens, config.hidden_size, generator=generator)
     flat = hidden.view(tokens, -1)
     token_mask = torch.rand(tokens, generator=generator) >= PADDING_FRACTION
 
-    def eval_router():
-        routers["qb"].eval()
+    def padded_router():
+        padding.token_mask = token_mask
         routers["qb"](flat)
-        routers["qb"].train()
+        padding.token_mask = None
 
     candidates = {
         "block forward (QB)": lambda: block(hidden),
-        "router plain top-k (eval)": eval_router,
-        "router none (counts only)": lambda: routers["none"](flat),
+        "router plain top-k (no hook)": lambda: routers["plain"](flat),
+        "router counts only": lambda: routers["none"](flat),
         "router QB": lambda: routers["qb"](flat),
-        "router QB, 10% padding": lambda: routers["qb"](flat, token_mask),
+        "router QB, 10% padding": padded_router,
     }
     times = time_interleaved(candidates, repeats=repeats)
-    block_s, plain_s = times["block forward (QB)"], times["router plain top-k (eval)"]
+    block_s, plain_s = times["block forward (QB)"], times["router plain top-k (no hook)"]
     rows = []
     for candidate, seconds in times.items():
         row = {"config": name, "tokens": tokens, "candidate": candidate, "ms": 1e3 * seconds}
-        if candidate.startswith("router") and candidate != "router plain top-k (eval)":
+        if candidate.startswith("router") and candidate != "router plain top-k (no hook)":
             row["overhead % of block fwd"] = 100 * (seconds - plain_s) / block_s
         rows.append(row)
     return rows

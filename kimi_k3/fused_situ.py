@@ -8,6 +8,7 @@ sizes, see benchmarks/README.md). `use_fused_situ(model)` swaps that in, the way
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from functools import partial
 
 import torch
@@ -17,7 +18,9 @@ from transformers.utils import logging
 
 from modeling_kimi_k3 import situ_and_mul, upcast
 
-__all__ = ["FUSED_MIN_ELEMENTS", "use_fused_situ", "fused_situ_glu", "fused_situ_and_mul"]
+__all__ = [
+    "FUSED_MIN_ELEMENTS", "SHARED_KERNELS", "SiTUKernels", "use_fused_situ", "fused_situ_glu", "fused_situ_and_mul"
+]
 
 logger = logging.get_logger(__name__)
 
@@ -103,46 +106,63 @@ class CompiledFunction:
         return self.function(*args)
 
 
+def _compiled(function: Callable):
+    return field(default_factory=lambda: CompiledFunction(function))
+
+
+@dataclass
+class SiTUKernels:
+    """Compiled forward and backward kernels of SiTU-GLU, for the concatenated experts layout and for separate inputs.
+
+    Compiling costs seconds per kernel, so every model attached with the default set (`SHARED_KERNELS`) shares one
+    compilation cache per process; pass another set to `use_fused_situ` to keep its compilation (or its failure) apart.
+    """
+
+    glu: CompiledFunction = _compiled(situ_glu)
+    glu_backward: CompiledFunction = _compiled(situ_glu_backward)
+    and_mul: CompiledFunction = _compiled(situ_and_mul)
+    and_mul_backward: CompiledFunction = _compiled(situ_and_mul_backward)
+
+    def all(self) -> tuple[CompiledFunction, ...]:
+        return tuple(getattr(self, kernel.name) for kernel in fields(self))
+
+
+SHARED_KERNELS = SiTUKernels()
+
+
 class FusedSiTUGLU(torch.autograd.Function):
-    """SiTU-GLU whose forward and backward are each one compiled elementwise kernel.
+    """SiTU-GLU whose forward and backward are each one compiled elementwise kernel of ``kernels``.
 
     Both directions are plain functions compiled without autograd, so a compiler failure in either is caught and
     falls back to the eager reference. ``gate`` is either the concatenated ``[gate ‖ up]`` (``up=None``: the gradient
     is written in that layout, with no split/cat) or the gate alone.
     """
 
-    glu = CompiledFunction(situ_glu)
-    glu_backward = CompiledFunction(situ_glu_backward)
-    and_mul = CompiledFunction(situ_and_mul)
-    and_mul_backward = CompiledFunction(situ_and_mul_backward)
-
     @staticmethod
-    def forward(ctx, gate, up, beta, linear_beta):
+    def forward(ctx, gate, up, beta, linear_beta, kernels: SiTUKernels):
         ctx.save_for_backward(gate, up)
-        ctx.betas = beta, linear_beta
+        ctx.betas, ctx.kernels = (beta, linear_beta), kernels
         if up is None:
-            return FusedSiTUGLU.glu(gate, beta, linear_beta)
-        return FusedSiTUGLU.and_mul(gate, up, beta, linear_beta)
+            return kernels.glu(gate, beta, linear_beta)
+        return kernels.and_mul(gate, up, beta, linear_beta)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_output):
         gate, up = ctx.saved_tensors
         if up is None:
-            return FusedSiTUGLU.glu_backward(gate, grad_output, *ctx.betas), None, None, None
-        return *FusedSiTUGLU.and_mul_backward(gate, up, grad_output, *ctx.betas), None, None
-
-    @staticmethod
-    def kernels() -> tuple[CompiledFunction, ...]:
-        return FusedSiTUGLU.glu, FusedSiTUGLU.glu_backward, FusedSiTUGLU.and_mul, FusedSiTUGLU.and_mul_backward
+            return ctx.kernels.glu_backward(gate, grad_output, *ctx.betas), None, None, None, None
+        return *ctx.kernels.and_mul_backward(gate, up, grad_output, *ctx.betas), None, None, None
 
 
-def fused_situ_glu(gate_up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
-    return FusedSiTUGLU.apply(gate_up, None, beta, linear_beta)
+def fused_situ_glu(gate_up: torch.Tensor, beta: float, linear_beta: float | None,
+                   kernels: SiTUKernels = SHARED_KERNELS) -> torch.Tensor:
+    return FusedSiTUGLU.apply(gate_up, None, beta, linear_beta, kernels)
 
 
-def fused_situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
-    return FusedSiTUGLU.apply(gate, up, beta, linear_beta)
+def fused_situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None,
+                       kernels: SiTUKernels = SHARED_KERNELS) -> torch.Tensor:
+    return FusedSiTUGLU.apply(gate, up, beta, linear_beta, kernels)
 
 
 def _fuses(activation: torch.Tensor, min_elements: int) -> bool:
@@ -150,26 +170,30 @@ def _fuses(activation: torch.Tensor, min_elements: int) -> bool:
     return activation.requires_grad and torch.is_grad_enabled() and activation.numel() >= min_elements
 
 
-def _activation_forward(module: nn.Module, min_elements: int, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def _activation_forward(module: nn.Module, min_elements: int, kernels: SiTUKernels, gate: torch.Tensor,
+                        up: torch.Tensor) -> torch.Tensor:
     if _fuses(gate, min_elements):
-        return fused_situ_and_mul(gate, up, module.beta, module.linear_beta)
+        return fused_situ_and_mul(gate, up, module.beta, module.linear_beta, kernels)
     return situ_and_mul(gate, up, module.beta, module.linear_beta)
 
 
-def _experts_apply_gate(module: nn.Module, min_elements: int, gate_up: torch.Tensor) -> torch.Tensor:
+def _experts_apply_gate(module: nn.Module, min_elements: int, kernels: SiTUKernels,
+                        gate_up: torch.Tensor) -> torch.Tensor:
     """Fused, the backward writes the gradient of the experts' concatenated ``gate_up`` in one pass."""
     if _fuses(gate_up, min_elements):
-        return fused_situ_glu(gate_up, module.glu.beta, module.glu.linear_beta)
+        return fused_situ_glu(gate_up, module.glu.beta, module.glu.linear_beta, kernels)
     return situ_and_mul(*gate_up.chunk(2, dim=-1), module.glu.beta, module.glu.linear_beta)
 
 
 _KERNELS = {"KimiK3GLUActivation": ("forward", _activation_forward), "KimiK3Experts": ("_apply_gate", _experts_apply_gate)}
 
 
-def use_fused_situ(model: nn.Module, enabled: bool = True, min_elements: int = FUSED_MIN_ELEMENTS) -> int:
-    """Route every SiTU-GLU of ``model`` through `FusedSiTUGLU` in training forwards whose activation has at least
-    ``min_elements`` elements (or back to the model's own reference with ``enabled=False``); returns how many modules
-    changed. Works on the installed classes and on ``trust_remote_code`` copies alike (modules match by class name).
+def use_fused_situ(model: nn.Module, enabled: bool = True, min_elements: int = FUSED_MIN_ELEMENTS,
+                   kernels: SiTUKernels = SHARED_KERNELS) -> int:
+    """Route every SiTU-GLU of ``model`` through `FusedSiTUGLU` with ``kernels`` in training forwards whose activation
+    has at least ``min_elements`` elements (or back to the model's own reference with ``enabled=False``); returns how
+    many modules changed. Works on the installed classes and on ``trust_remote_code`` copies alike (modules match by
+    class name).
     """
     changed = 0
     for module in model.modules():
@@ -178,7 +202,7 @@ def use_fused_situ(model: nn.Module, enabled: bool = True, min_elements: int = F
         if method is None or getattr(activation, "act_fn", None) is not None:  # not SiTU (`hidden_act` is another)
             continue
         if enabled:
-            setattr(module, method, partial(kernel, module, min_elements))
+            setattr(module, method, partial(kernel, module, min_elements, kernels))
         else:
             module.__dict__.pop(method, None)
         changed += 1

@@ -83,7 +83,6 @@ def architecture_summary(config) -> dict[str, object]:
         "shared experts": config.num_shared_experts,
         "expert latent size / intermediate": f"{config.routed_expert_hidden_size} / {config.moe_intermediate_size}",
         "AttnRes block size": config.attn_res_block_size,
-        "router balancing": config.router_balancing,
     }
 
 

@@ -214,21 +214,25 @@ def _muon_tags(config):
 
 
 def buffer_specs(config) -> list[BufferSpec]:
-    """Buffers every rank keeps whole: per MoE layer the router bias (fp32), token counts and, under Quantile
-    Balancing, the [experts, bins] required-bias histogram (int64); per MLA layer the per-head logit maxima (fp32)."""
-    buffers = []
+    """Buffers of the model every rank keeps whole: the router bias of each MoE layer (fp32)."""
+    return [BufferSpec(f"model.layers.{i}.block_sparse_moe.gate.e_score_correction_bias", config.num_experts,
+                       FP32_BYTES, "router statistics")
+            for i, mlp_type in enumerate(config.mlp_layer_types) if mlp_type == "sparse"]
+
+
+def statistics_specs(config, setup) -> list[BufferSpec]:
+    """What the training policies record beside the model, whole on every rank: per MoE layer the token counts and,
+    under Quantile Balancing, the [experts, bins] required-bias histogram (int64); with QK-Clip the per-head logit
+    maxima of every MLA layer (fp32)."""
+    specs = []
     for i, (layer_type, mlp_type) in enumerate(zip(config.layer_types, config.mlp_layer_types)):
         if mlp_type == "sparse":
-            gate, experts = f"model.layers.{i}.block_sparse_moe.gate", config.num_experts
-            buffers += [BufferSpec(f"{gate}.e_score_correction_bias", experts, FP32_BYTES, "router statistics"),
-                        BufferSpec(f"{gate}.tokens_per_expert", experts, INT64_BYTES, "router statistics")]
-            if config.router_balancing == "quantile_balancing":
-                buffers.append(BufferSpec(f"{gate}.qb_histogram", experts * config.qb_num_bins, INT64_BYTES,
-                                          "router statistics"))
-        if layer_type == "full_attention":
-            buffers.append(BufferSpec(f"model.layers.{i}.self_attn.attn_logit_max", config.num_attention_heads,
-                                      FP32_BYTES, "attention logit maxima"))
-    return buffers
+            counts = config.num_experts * (1 + (setup.qb_num_bins if setup.quantile_balancing else 0))
+            specs.append(BufferSpec(f"layer {i} router statistics", counts, INT64_BYTES, "router statistics"))
+        if layer_type == "full_attention" and setup.qk_clip:
+            specs.append(BufferSpec(f"layer {i} logit maxima", config.num_attention_heads, FP32_BYTES,
+                                    "attention logit maxima"))
+    return specs
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -266,6 +270,8 @@ class Setup:
     lora_rank: int = 0
     qat: bool = False
     qk_clip: bool = True
+    quantile_balancing: bool = True  # histogram estimator; False: token counts only (the sign and "none" rules)
+    qb_num_bins: int = 1000
     gpu_memory_gb: float = 141.0
     reserved_gb: float = 4.0
 
@@ -437,7 +443,7 @@ def make_plan(config, layout: Layout, setup: Setup, specs: list[ParamSpec] | Non
     counts = element_counts(config, layout, setup, specs)
     plan = Plan(config, layout, setup, counts)
     b = {name: DTYPE_BYTES[getattr(setup, f"{name}_dtype")] for name in ("param", "compute", "grad", "optimizer", "ns")}
-    buffers = buffer_specs(config)
+    buffers = buffer_specs(config) + statistics_specs(config, setup)
     plan.memory = {
         "parameters": counts.parameters * b["param"],
         "gradients": counts.gradients * b["grad"],
@@ -602,7 +608,7 @@ def communication(config, specs, layout: Layout, setup: Setup, b) -> list[tuple[
         payload = routes * width * b["compute"] * calls
         rows.append(("expert all-to-all", layout.ep, calls, payload, payload * (layout.ep - 1) / layout.ep))
     if layout.world_size > 1 and moe_layers:
-        qb = quantile_balancing_payload(config)
+        qb = quantile_balancing_payload(config, setup)
         rows.append((QUANTILE_BALANCING_ROW, layout.world_size, 1, qb, 2 * qb * (layout.world_size - 1) / layout.world_size))
     mla_layers = sum(t == "full_attention" for t in config.layer_types)
     if layout.world_size > 1 and setup.qk_clip and mla_layers and setup.optimizer == "muon" and not setup.lora_rank:
@@ -622,13 +628,10 @@ def _merge_rows(rows):
     return [(name, group, *values) for (name, group), values in merged.items()]
 
 
-def quantile_balancing_payload(config) -> int:
+def quantile_balancing_payload(config, setup) -> int:
     """Bytes of the one SUM all-reduce of ``QuantileBalancingCallback.update``: the token counts [L, n] and, with the
     histogram estimator, the histograms [L, n, bins] of all MoE layers, flattened into one int64 tensor."""
-    moe_layers = sum(t == "sparse" for t in config.mlp_layer_types)
-    per_layer = config.num_experts * (1 + (config.qb_num_bins if config.router_balancing == "quantile_balancing"
-                                           and config.qb_estimator == "histogram" else 0))
-    return moe_layers * per_layer * INT64_BYTES
+    return sum(spec.numel for spec in statistics_specs(config, setup) if spec.category == "router statistics") * INT64_BYTES
 
 
 def newton_schulz_communication(specs, layout: Layout, setup: Setup, b) -> list[tuple]:

@@ -125,7 +125,7 @@ def narrow_config(config):
     values = config.to_dict()
     values.update(hidden_size=32, intermediate_size=32, num_attention_heads=2, num_key_value_heads=2,
                   qk_nope_head_dim=8, qk_rope_head_dim=4 if config.qk_rope_head_dim else 0, v_head_dim=8,
-                  kv_lora_rank=16, q_lora_rank=None if config.q_lora_rank is None else 16, qb_num_bins=8,
+                  kv_lora_rank=16, q_lora_rank=None if config.q_lora_rank is None else 16,
                   dtype="float32")
     values["linear_attn_config"] = {**config.linear_attn_config, "num_heads": 2, "head_dim": 8}
     if config.num_experts is not None:

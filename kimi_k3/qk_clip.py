@@ -1,8 +1,8 @@
 """QK-Clip for Kimi K3's MLA layers (training.md §2.5): keep every head's max attention logit at or below tau.
 
-The model only records the statistic (``self_attn.attn_logit_max``, a per-head running max of the pre-softmax logits,
-written in training forwards when ``config.record_attn_logit_max`` is True); the policy lives here. After an optimizer step,
-a head with recorded max S_h > tau gets gamma_h = tau / S_h, and
+The model records nothing: :class:`LogitMaxRecorder`, which ``QKClip`` attaches to every MLA layer's
+``query_key_observer``, keeps each head's running max S_h of the pre-softmax logits over the training forwards of a step.
+After an optimizer step, a head with S_h > tau gets gamma_h = tau / S_h, and
 
 - its q_b_proj nope rows and kv_b_proj k_nope rows are multiplied by sqrt(gamma_h) (nope logit scales by gamma_h),
 - its q_b_proj rope rows by gamma_h (the shared k_r of kv_a_proj_with_mqa is untouched, so that logit scales by
@@ -17,6 +17,37 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 from transformers import TrainerCallback
 
+from .padding import PaddingTracker
+
+
+class LogitMaxRecorder:
+    """Per-head running max [H] of one MLA layer's pre-softmax logits over causal pairs whose query and key are both
+    real tokens, from training forwards with gradients: a padded query row is never attended from, so it must not
+    trigger a clip. Attached as the layer's ``query_key_observer``."""
+
+    def __init__(self, attn, padding: PaddingTracker):
+        self.padding = padding
+        self.maximum = torch.full((attn.num_heads,), float("-inf"), device=attn.kv_b_proj.weight.device)
+        attn.query_key_observer = self
+
+    def __call__(self, attn, queries: torch.Tensor, keys: torch.Tensor) -> None:
+        if attn.training and torch.is_grad_enabled():
+            with torch.no_grad():
+                self._add(attn, queries, keys)
+
+    def _add(self, attn, queries: torch.Tensor, keys: torch.Tensor) -> None:
+        dtype = torch.promote_types(queries.dtype, torch.float32)  # at least fp32; fp64 references stay exact
+        logits = torch.matmul(queries.to(dtype), keys.to(dtype).transpose(2, 3)) * attn.scaling
+        batch, _, query_len, key_len = logits.shape
+        allowed = torch.ones(query_len, key_len, dtype=torch.bool, device=logits.device).tril(key_len - query_len)
+        allowed = allowed.expand(batch, 1, -1, -1)
+        token_mask = self.padding.rows(batch * query_len)
+        if token_mask is not None:
+            valid = token_mask.view(batch, -1)
+            allowed = allowed & valid[:, None, -query_len:, None] & valid[:, None, None, -key_len:]
+        head_max = logits.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3))
+        self.maximum = torch.maximum(self.maximum.to(head_max.device), head_max)
+
 
 class QKClip:
     """Clips the MLA layers of ``model`` with threshold ``tau``; call it once after every optimizer step."""
@@ -24,15 +55,12 @@ class QKClip:
     def __init__(self, model, tau):
         config = model.config
         check_tau(tau)
-        if not getattr(config, "record_attn_logit_max", False):
-            raise ValueError(
-                "QK-Clip needs the recorded per-head max logits: build the model with "
-                "`config.record_attn_logit_max=True`."
-            )
         self.tau = float(tau)
-        self.layers = [module for module in model.modules() if hasattr(module, "attn_logit_max")]
+        self.layers = [module for module in model.modules() if hasattr(module, "query_key_observer")]
         if not self.layers:
-            raise ValueError(f"QK-Clip found no MLA layer (a module with `attn_logit_max`) in {type(model).__name__}.")
+            raise ValueError(f"QK-Clip found no MLA layer (a module with `query_key_observer`) in {type(model).__name__}.")
+        padding = PaddingTracker(model)
+        self.recorders = [LogitMaxRecorder(attn, padding) for attn in self.layers]
         self.nope = config.qk_nope_head_dim
         self.num_heads = config.num_attention_heads
 
@@ -42,18 +70,14 @@ class QKClip:
     def __call__(self):
         maxima = self._pooled_logit_max()
         gammas = clip_factors(maxima, self.tau)
-        for attn, gamma in zip(self.layers, gammas):
+        for attn, recorder, gamma in zip(self.layers, self.recorders, gammas):
             self._rescale_heads(attn, gamma)
-            attn.attn_logit_max.fill_(-torch.inf)
+            recorder.maximum.fill_(-torch.inf)
         self.latest_metrics = clip_metrics(maxima, self.tau)
 
     def _pooled_logit_max(self):
-        """Max over every forward of the step and, under torch.distributed, over ranks.
-
-        Under DDP train with ``ddp_broadcast_buffers=False`` (hf-integration.md §3.3): the buffer broadcast copies
-        rank 0's running max over every rank's at each forward, losing the other ranks' earlier micro-batches.
-        """
-        maxima = torch.stack([attn.attn_logit_max for attn in self.layers])
+        """Max [layers, heads] over every forward of the step and, under torch.distributed, over ranks."""
+        maxima = torch.stack([recorder.maximum for recorder in self.recorders])
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
         return maxima

@@ -1,10 +1,10 @@
 """Quantile Balancing (QB), the router-bias update of Kimi K3 (training.md §1).
 
-The router only records statistics in training forwards: token counts and, for every valid token, the
-required bias r = α − s per expert (α = the token's (k+1)-th biased score), binned into a histogram. This
-module owns the policy. Once per optimizer step it pools the statistics of all layers with a single SUM
-all-reduce, solves b̂_j = (k/n)-quantile of r_{:,j}, mean-centers it and writes it into
-``gate.e_score_correction_bias``.
+The model records nothing. :class:`RouterStatistics`, a forward hook the callback attaches to every router, keeps
+what the update needs from training forwards: token counts per expert and, for every real (non-padding) token, the
+required bias r = α − s per expert (α = the token's (k+1)-th biased score), binned into a histogram. Once per
+optimizer step the callback pools the statistics of all layers with a single SUM all-reduce, solves
+b̂_j = (k/n)-quantile of r_{:,j}, mean-centers it and writes it into ``gate.e_score_correction_bias``.
 
 Sign convention (training.md §1.2): routing is top-k of s + b, so b = −β of App. C, and a popular expert
 ends up with a *negative* bias.
@@ -18,28 +18,107 @@ import torch.distributed as dist
 from torch import nn
 from transformers import TrainerCallback
 
-from modeling_kimi_k3 import histogram_range, required_bias_histogram
-
 from .balance_metrics import aggregate_over_layers, load_balance_metrics
+from .padding import PaddingTracker, decoder_stack, masked_counts
 
 UPDATE_RULES = ("quantile", "sign", "none")
 ESTIMATORS = ("histogram", "exact")
 
 
 # ---------------------------------------------------------------------------------------------------------
-# What the router records (training.md §1.4): the required biases (a reference for tests and simulations) and their
-# histogram, binned by the model file's own functions, so that the solver reads exactly the router's bins
+# What is recorded (training.md §1.4): the required biases r and their histogram per expert
 # ---------------------------------------------------------------------------------------------------------
 
 
 def required_bias(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Routes (top-k of s + b) and the required bias r = α − s of every expert, from one top-(k+1).
+    """Routes (top-k of s + b) and the required bias r = α − s of every expert, from one top-(k+1): the reference.
 
     α, the (k+1)-th biased score, is the cutoff an expert has to beat to enter the token's top-k (§1.2).
     """
     top = torch.topk(scores + bias, top_k + 1, dim=-1)
     cutoff = top.values[..., top_k:]
     return top.indices[..., :top_k], cutoff - scores
+
+
+def required_bias_of_routes(scores: torch.Tensor, bias: torch.Tensor, routes: torch.Tensor) -> torch.Tensor:
+    """r = α − s [N, n] given the routes [N, k] the router took: α is the best biased score left outside them."""
+    outside = (scores + bias).scatter(-1, routes, float("-inf"))
+    return outside.amax(-1, keepdim=True) - scores
+
+
+def histogram_range(bias: torch.Tensor, num_bins: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lower edge and bin width of [b_min − 1, b_max + 1] over the last dim of ``bias`` [..., n], which holds every
+    required bias r = α − s for scores in (0, 1) (K3 report Eq. 14)."""
+    low = bias.min(-1, keepdim=True).values - 1
+    return low, (bias.max(-1, keepdim=True).values + 1 - low) / num_bins
+
+
+def required_bias_histogram(
+    required_bias: torch.Tensor, bias: torch.Tensor, num_bins: int, token_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-expert counts [n, B] (int64) of the required biases [N, n] in ``num_bins`` bins over ``histogram_range``,
+    counting only the rows where ``token_mask`` is True. NaN (the scores of a diverged step, which the loss already
+    shows) is not counted instead of becoming an out-of-range bin index."""
+    low, width = histogram_range(bias, num_bins)
+    position = ((required_bias - low) / width).floor().clamp_(0, num_bins - 1)
+    num_experts = position.shape[-1]
+    bins = position.long() + torch.arange(num_experts, device=position.device) * num_bins
+    bins.masked_fill_(position.isnan(), num_experts * num_bins)  # masked_counts' dropped spare slot
+    return masked_counts(bins, token_mask, num_experts * num_bins).view(num_experts, num_bins)
+
+
+class RouterStatistics:
+    """One router's statistics over the training forwards of a step, recorded by a forward hook on it.
+
+    Always the real tokens routed to each expert (``tokens_per_expert`` [n]); with ``estimator="histogram"`` also the
+    histogram [n, B] of r, with ``"exact"`` every r [m, n] (the single-process reference). Only forwards in training
+    mode with gradients record, so evaluation and generation never count; the recompute of activation checkpointing
+    records again, to which the quantile and the metrics are invariant (§1.6.4).
+    """
+
+    def __init__(self, router: nn.Module, padding: PaddingTracker, estimator: str | None, num_bins: int):
+        self.router, self.padding, self.estimator, self.num_bins = router, padding, estimator, num_bins
+        self.reset()
+        self._handle = router.register_forward_hook(self._record)
+
+    def reset(self) -> None:
+        """Start a new step: the statistics of a step must cover exactly the forwards of that step."""
+        device, experts = self.router.e_score_correction_bias.device, self.router.num_experts
+        self.tokens_per_expert = torch.zeros(experts, dtype=torch.int64, device=device)
+        self.histogram = (
+            torch.zeros(experts, self.num_bins, dtype=torch.int64, device=device)
+            if self.estimator == "histogram"
+            else None
+        )
+        self.required_biases: list[torch.Tensor] = []
+
+    def _record(self, router: nn.Module, args: tuple, outputs: tuple) -> None:
+        if router.training and torch.is_grad_enabled():
+            with torch.no_grad():
+                self._add(router, *outputs)
+
+    def _add(self, router: nn.Module, logits: torch.Tensor, weights: torch.Tensor, routes: torch.Tensor) -> None:
+        if self.tokens_per_expert.device != routes.device:  # the model moved after the statistics were allocated
+            self.tokens_per_expert = self.tokens_per_expert.to(routes.device)
+            self.histogram = None if self.histogram is None else self.histogram.to(routes.device)
+        token_mask = self.padding.rows(routes.shape[0])
+        self.tokens_per_expert += masked_counts(routes, token_mask, router.num_experts)
+        if self.estimator is None:
+            return
+        r = required_bias_of_routes(logits.sigmoid(), router.e_score_correction_bias, routes)
+        if self.estimator == "exact":  # keeps the values, so it drops padding rows (a host sync)
+            self.required_biases.append(r if token_mask is None else r[token_mask])
+        else:
+            self.histogram += required_bias_histogram(r, router.e_score_correction_bias, self.num_bins, token_mask)
+
+    def step_required_bias(self) -> torch.Tensor:
+        """All r [m, n] recorded this step (``estimator="exact"``)."""
+        if not self.required_biases:
+            return self.router.e_score_correction_bias.new_empty(0, self.router.num_experts)
+        return torch.cat(self.required_biases)
+
+    def remove(self) -> None:
+        self._handle.remove()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -132,23 +211,13 @@ def all_reduce_sum(tensors: list[torch.Tensor], group=None) -> list[torch.Tensor
 
 
 def find_routers(model: nn.Module) -> dict[str, nn.Module]:
-    """MoE routers keyed ``layer_{i}`` (or their module name outside ``layers``), found by their statistics."""
+    """MoE routers keyed ``layer_{i}`` (or their module name outside ``layers``), found by their bias and ``top_k``."""
     routers = {}
     for name, module in model.named_modules():
-        if hasattr(module, "tokens_per_expert") and hasattr(module, "e_score_correction_bias"):
+        if hasattr(module, "e_score_correction_bias") and hasattr(module, "top_k"):
             layer = re.search(r"layers\.(\d+)\.", name)
             routers[f"layer_{layer.group(1)}" if layer else name] = module
     return routers
-
-
-def zero_statistics(routers: dict[str, nn.Module]) -> None:
-    """Start a new step: the statistics of a step must cover exactly the forwards of that step."""
-    for router in routers.values():
-        router.tokens_per_expert.zero_()
-        if hasattr(router, "qb_histogram"):
-            router.qb_histogram.zero_()
-        if hasattr(router, "qb_required_bias"):
-            router.qb_required_bias.clear()
 
 
 def _world_size() -> int:
@@ -169,8 +238,8 @@ def _check_choice(name: str, value, allowed: tuple) -> None:
 def _check_routers(routers: dict[str, nn.Module]) -> None:
     if not routers:
         raise ValueError(
-            "model has no MoE router recording balancing statistics (a module with `e_score_correction_bias` "
-            "and `tokens_per_expert`); is config.num_experts set and first_k_dense_replace < num_hidden_layers?"
+            "model has no MoE router (a module with `e_score_correction_bias` and `top_k`); is config.num_experts "
+            "set and first_k_dense_replace < num_hidden_layers?"
         )
     shapes = {(router.top_k, router.num_experts) for router in routers.values()}
     if len(shapes) > 1:
@@ -186,12 +255,7 @@ def _check_routers(routers: dict[str, nn.Module]) -> None:
 
 
 def _check_quantile_balancing_applies(config, routers: dict[str, nn.Module]) -> None:
-    """QB needs the histogram statistics and a free top-(k+1) over all experts (training.md §1.6.8)."""
-    if getattr(config, "router_balancing", None) != "quantile_balancing":
-        raise ValueError(
-            "update_rule='quantile' needs config.router_balancing='quantile_balancing' (the routers then record "
-            f"QB statistics), got {getattr(config, 'router_balancing', None)!r}"
-        )
+    """QB needs sigmoid scores and a free top-(k+1) over all experts (training.md §1.6.8)."""
     activation = getattr(config, "moe_router_activation_func", "sigmoid")
     if activation != "sigmoid":
         raise ValueError(
@@ -226,14 +290,17 @@ class QuantileBalancingCallback(TrainerCallback):
         model: the model to be trained, used to validate the setup; each event then uses the Trainer's model.
         enabled: False leaves the bias alone and logs nothing; statistics are still cleared every step.
         update_rule: "quantile" (QB), "sign" (DeepSeek loss-free balancing, a baseline) or "none" (metrics only).
-        estimator: "histogram" or "exact"; must equal ``config.qb_estimator`` (default: taken from it). "exact"
-            keeps every r of the step and is a single-process reference.
+        estimator: "histogram" (default) or "exact", which keeps every r of the step and is a single-process
+            reference.
+        num_bins: histogram bins B of the required bias (K3 report Eq. 14); 1000 by default.
         ema: decay of an exponential moving average of the solved bias, in [0, 1); 0 disables it (§1.4).
         sign_gamma: step size γ of the sign rule (DeepSeek-V3 uses 1e-3).
         per_layer_metrics: log ``balance/layer_{i}/...`` besides the aggregates over layers.
         process_group: group the token stream is sharded over (default: WORLD when torch.distributed is up).
 
-    Pass it in ``Trainer(callbacks=[...])`` for printed logs and ``trainer_state.json``; use
+    The statistics are recorded by :class:`RouterStatistics` hooks that the callback attaches to the routers of
+    ``model`` (and of the Trainer's model, if that holds other router modules); ``statistics(model)`` returns them.
+    Pass the callback in ``Trainer(callbacks=[...])`` for printed logs and ``trainer_state.json``; use
     ``attach(trainer)`` instead so that ``report_to`` integrations receive the metrics as well.
     """
 
@@ -243,13 +310,17 @@ class QuantileBalancingCallback(TrainerCallback):
         *,
         enabled: bool = True,
         update_rule: str = "quantile",
-        estimator: str | None = None,
+        estimator: str = "histogram",
+        num_bins: int = 1000,
         ema: float = 0.0,
         sign_gamma: float = 1e-3,
         per_layer_metrics: bool = True,
         process_group=None,
     ):
         _check_choice("update_rule", update_rule, UPDATE_RULES)
+        _check_choice("estimator", estimator, ESTIMATORS)
+        if not (isinstance(num_bins, int) and num_bins >= 2):
+            raise ValueError(f"num_bins must be an integer >= 2, got {num_bins!r}")
         if not 0.0 <= ema < 1.0:
             raise ValueError(f"ema must be in [0, 1), got {ema}")
         if update_rule == "sign" and not sign_gamma > 0:
@@ -258,29 +329,32 @@ class QuantileBalancingCallback(TrainerCallback):
         _check_routers(routers)
         if update_rule == "quantile":
             _check_quantile_balancing_applies(model.config, routers)
-            estimator = self._check_estimator(estimator, model.config)
             _check_exact_runs_single_process(estimator, _world_size())
             _warn_if_an_adapter_would_drop_the_bias(model)
         self.enabled = enabled
         self.update_rule = update_rule
-        self.estimator = estimator
+        self.estimator = estimator if update_rule == "quantile" else None  # the other rules read token counts only
+        self.num_bins = num_bins
         self.ema = ema
         self.sign_gamma = sign_gamma
         self.per_layer_metrics = per_layer_metrics
         self.process_group = process_group
         self.latest_metrics: dict[str, float] = {}
+        self._padding: dict[int, PaddingTracker] = {}
+        self._recorders: dict[int, RouterStatistics] = {}
+        self.statistics(model)
 
-    @staticmethod
-    def _check_estimator(estimator: str | None, config) -> str:
-        recorded = getattr(config, "qb_estimator", "histogram")
-        estimator = recorded if estimator is None else estimator
-        _check_choice("estimator", estimator, ESTIMATORS)
-        if estimator != recorded:
-            raise ValueError(
-                f"estimator={estimator!r} does not match config.qb_estimator={recorded!r}: the routers only record "
-                "the statistics of config.qb_estimator; set it in the config before building the model"
-            )
-        return estimator
+    def statistics(self, model: nn.Module) -> dict[str, RouterStatistics]:
+        """This step's statistics of every router of ``model``, keyed like ``find_routers``; attaches what is missing."""
+        stack = decoder_stack(model)
+        if id(stack) not in self._padding:
+            self._padding[id(stack)] = PaddingTracker(stack)
+        padding = self._padding[id(stack)]
+        routers = find_routers(model)
+        for router in routers.values():
+            if id(router) not in self._recorders:
+                self._recorders[id(router)] = RouterStatistics(router, padding, self.estimator, self.num_bins)
+        return {name: self._recorders[id(router)] for name, router in routers.items()}
 
     def attach(self, trainer) -> "QuantileBalancingCallback":
         """Register right after DefaultFlowCallback, before the ``report_to`` integrations (hf-integration.md §3.3).
@@ -296,29 +370,30 @@ class QuantileBalancingCallback(TrainerCallback):
     @torch.no_grad()
     def update(self, model: nn.Module) -> dict[str, float]:
         """Pool this step's statistics, update every router bias, clear the statistics; return the metrics."""
-        routers = find_routers(model)
+        statistics = self.statistics(model)
         if not self.enabled:
-            zero_statistics(routers)
+            _reset(statistics)
             return {}
-        tokens, hist = self._pooled_statistics(routers)
-        biases = torch.stack([router.e_score_correction_bias for router in routers.values()])
-        new_biases = self._new_biases(routers, biases, tokens, hist)
-        for router, new_bias in zip(routers.values(), new_biases):
+        tokens, hist = self._pooled(statistics)
+        routers = [stats.router for stats in statistics.values()]
+        biases = torch.stack([router.e_score_correction_bias for router in routers])
+        new_biases = self._new_biases(statistics, biases, tokens, hist)
+        for router, new_bias in zip(routers, new_biases):
             router.e_score_correction_bias.copy_(new_bias)
-        zero_statistics(routers)
-        per_layer = {name: load_balance_metrics(tokens[i], new_biases[i]) for i, name in enumerate(routers)}
+        _reset(statistics)
+        per_layer = {name: load_balance_metrics(tokens[i], new_biases[i]) for i, name in enumerate(statistics)}
         return aggregate_over_layers(per_layer, include_layers=self.per_layer_metrics)
 
-    def _pooled_statistics(self, routers: dict[str, nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _pooled(self, statistics: dict[str, RouterStatistics]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Token counts [L, n] and, for the histogram estimator, histograms [L, n, B], summed over ranks at once."""
-        stats = [torch.stack([router.tokens_per_expert for router in routers.values()])]
-        if self.update_rule == "quantile" and self.estimator == "histogram":
-            stats.append(torch.stack([router.qb_histogram for router in routers.values()]))
-        stats = all_reduce_sum(stats, self.process_group)
-        return stats[0], stats[1] if len(stats) > 1 else None
+        pooled = [torch.stack([stats.tokens_per_expert for stats in statistics.values()])]
+        if self.estimator == "histogram":
+            pooled.append(torch.stack([stats.histogram for stats in statistics.values()]))
+        pooled = all_reduce_sum(pooled, self.process_group)
+        return pooled[0], pooled[1] if len(pooled) > 1 else None
 
-    def _new_biases(self, routers, biases, tokens, hist) -> torch.Tensor:
-        top_k = next(iter(routers.values())).top_k
+    def _new_biases(self, statistics, biases, tokens, hist) -> torch.Tensor:
+        top_k = next(iter(statistics.values())).router.top_k
         if self.update_rule == "none":
             return biases
         if self.update_rule == "sign":
@@ -327,19 +402,14 @@ class QuantileBalancingCallback(TrainerCallback):
             return solve_bias_from_histogram(hist, biases, top_k, ema=self.ema)
         return torch.stack(
             [
-                solve_bias_exact(_step_required_bias(router), bias, top_k, ema=self.ema)
-                for router, bias in zip(routers.values(), biases)
+                solve_bias_exact(stats.step_required_bias(), bias, top_k, ema=self.ema)
+                for stats, bias in zip(statistics.values(), biases)
             ]
         )
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         _check_exact_runs_single_process(self.estimator, args.world_size)
-        if args.world_size > 1 and args.ddp_broadcast_buffers is not False:
-            raise ValueError(
-                "QuantileBalancingCallback needs TrainingArguments(ddp_broadcast_buffers=False): DDP otherwise copies "
-                "rank 0's statistics buffers over every other rank's at each forward (hf-integration.md §3.3)"
-            )
-        zero_statistics(find_routers(model))
+        _reset(self.statistics(model))
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         self.latest_metrics = self.update(model)
@@ -367,8 +437,6 @@ def _warn_if_an_adapter_would_drop_the_bias(model: nn.Module) -> None:
         )
 
 
-def _step_required_bias(router: nn.Module) -> torch.Tensor:
-    """All r [m, n] the router kept this step (``qb_estimator='exact'``)."""
-    if not router.qb_required_bias:
-        return router.e_score_correction_bias.new_empty(0, router.num_experts)
-    return torch.cat(router.qb_required_bias)
+def _reset(statistics: dict[str, RouterStatistics]) -> None:
+    for stats in statistics.values():
+        stats.reset()

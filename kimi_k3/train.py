@@ -352,9 +352,6 @@ def build_model(model_args: ModelArguments, tokenizer, checkpoint: str | None,
     A resumed model gets its weights from Trainer's checkpoint loading, together with the optimizer state.
     """
     overrides = config_overrides(model_args.config_overrides)
-    overrides["router_balancing"] = "quantile_balancing" if model_args.quantile_balancing else "none"
-    if qk_clip_tau is not None:
-        overrides["record_attn_logit_max"] = True  # the per-head max logits QK-Clip reads
     if checkpoint is not None:
         model = KimiK3ForCausalLM(KimiK3Config.from_pretrained(checkpoint, **overrides))
     elif model_args.model_name_or_path is not None:
@@ -525,7 +522,7 @@ def training_summary(trainer, model_args, data_description, blocks, block_size, 
         global_batch_size=args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size,
         optimizer="Per-Head Muon + AdamW" if model_args.optimizer == "per_head_muon" else f"AdamW ({args.optim})",
         learning_rate=args.learning_rate,
-        router_balancing=trainer.model.config.router_balancing,
+        router_balancing="quantile_balancing" if model_args.quantile_balancing else "none",
         first_loss=losses[0] if losses else math.nan,
         last_loss=losses[-1] if losses else math.nan,
         eval_loss=eval_metrics["eval_loss"],

@@ -49,7 +49,6 @@ TINY_CONFIG = {
     "moe_intermediate_size": 16,
     "routed_expert_hidden_size": 24,
     "attn_res_block_size": 4,
-    "qb_num_bins": 64,
     "max_position_embeddings": 512,
 }
 

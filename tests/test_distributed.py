@@ -64,7 +64,7 @@ def assert_same_state(actual: dict, expected: dict) -> None:
 @pytest.fixture(scope="module")
 def config():
     # Three MLA heads over two ranks: a shard boundary cuts through head 1 of q_b_proj and kv_b_proj.
-    return tiny_config(record_attn_logit_max=True, num_attention_heads=3)
+    return tiny_config(num_attention_heads=3)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,8 @@ import modeling_kimi_k3
 from kimi_k3 import fused_situ
 from kimi_k3.fused_situ import (
     CompiledFunction,
-    FusedSiTUGLU,
+    SHARED_KERNELS,
+    SiTUKernels,
     fused_situ_and_mul,
     fused_situ_glu,
     situ_and_mul_backward,
@@ -29,6 +30,8 @@ from kimi_k3.fused_situ import (
     situ_glu_backward,
     use_fused_situ,
 )
+from kimi_k3.qk_clip import QKClip
+from kimi_k3.quantile_balancing import QuantileBalancingCallback, RouterStatistics
 from modeling_kimi_k3 import KimiK3DeltaAttention, KimiK3SparseMoeBlock, kda_sub_chunk_size, situ_and_mul
 from tests.conftest import tiny_config
 
@@ -117,7 +120,7 @@ def test_fused_situ_equals_the_reference_forward_and_backward(dtype, linear_beta
         # Absolute error relative to the largest value: saturated tanh/sigmoid gradients round differently near 0.
         torch.testing.assert_close(out, expected_out, rtol=tolerance, atol=tolerance * expected_out.abs().max().item())
         torch.testing.assert_close(grad, expected_grad, rtol=tolerance, atol=tolerance * expected_grad.abs().max().item())
-    used = FusedSiTUGLU.kernels()[:2] if concatenated else FusedSiTUGLU.kernels()[2:]  # forward, backward
+    used = SHARED_KERNELS.all()[:2] if concatenated else SHARED_KERNELS.all()[2:]  # forward, backward
     assert all(kernel.compiled is not None and not kernel.failed for kernel in used)  # really the compiled kernels
 
 
@@ -160,7 +163,7 @@ def test_moe_block_trains_through_the_fused_situ_and_matches_the_eager_block(mon
     hidden = torch.randn(2, 45, tiny_config().hidden_size)
     out, hidden_grad, grads = moe_block_outputs(True, hidden)
     assert concatenated.calls == 1 and separate.calls == 1
-    assert not any(kernel.failed for kernel in FusedSiTUGLU.kernels())
+    assert not any(kernel.failed for kernel in SHARED_KERNELS.all())
     expected_out, expected_hidden_grad, expected_grads = moe_block_outputs(False, hidden)
     assert concatenated.calls == 1 and separate.calls == 1
     torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
@@ -206,19 +209,23 @@ def test_failed_compilation_falls_back_to_the_reference_with_one_warning():
     assert torch.equal(first, expected) and torch.equal(second, expected) and torch.equal(first_grad, expected_grad)
 
 
-def test_a_backward_kernel_that_fails_to_compile_falls_back_too(monkeypatch):
+def test_a_backward_kernel_that_fails_to_compile_falls_back_too():
     """The forward kernel compiles, the backward's compilation fails: training still gets the reference gradient."""
-    gate_up = situ_inputs(16, 8, torch.float32)
-    fused_situ_glu(gate_up, 4.0, 25.0)  # forward kernel compiled with the working toolchain
 
     def backward_with_fresh_graph(gate_up, grad_output, beta, linear_beta):
         return situ_glu_backward(gate_up, grad_output, beta, linear_beta)
 
-    monkeypatch.setattr(FusedSiTUGLU, "glu_backward", CompiledFunction(backward_with_fresh_graph))
+    kernels = SiTUKernels(glu=SHARED_KERNELS.glu, glu_backward=CompiledFunction(backward_with_fresh_graph))
+    gate_up = situ_inputs(16, 8, torch.float32)
+    fused_situ_glu(gate_up, 4.0, 25.0, kernels)  # forward kernel compiled with the working toolchain
+
+    def fused(gate_up, beta, linear_beta):
+        return fused_situ_glu(gate_up, beta, linear_beta, kernels)
+
     with CaptureLogger(fused_situ.logger) as captured, missing_cxx_compiler():
-        out, grad = value_and_grad(fused_situ_glu, gate_up, 25.0, concatenated=True)
+        out, grad = value_and_grad(fused, gate_up, 25.0, concatenated=True)
     expected_out, expected_grad = value_and_grad(situ_glu, gate_up, 25.0, concatenated=True)
-    assert FusedSiTUGLU.glu_backward.failed and not FusedSiTUGLU.glu.failed
+    assert kernels.glu_backward.failed and not kernels.glu.failed and not SHARED_KERNELS.glu_backward.failed
     assert captured.out.count("torch.compile of `backward_with_fresh_graph` failed") == 1
     torch.testing.assert_close(out, expected_out, rtol=2e-6, atol=2e-6 * expected_out.abs().max().item())
     torch.testing.assert_close(grad, expected_grad, rtol=1e-6, atol=1e-6 * expected_grad.abs().max().item())
@@ -266,18 +273,23 @@ def training_step_syncs(model) -> list[str]:
 
 def test_training_step_never_waits_for_the_device_in_model_code():
     """Padding, QB statistics, QK-Clip recording, both attention types, experts and loss: no host-synchronising op."""
-    model = modeling_kimi_k3.KimiK3ForCausalLM(tiny_config(record_attn_logit_max=True)).train()
+    model = modeling_kimi_k3.KimiK3ForCausalLM(tiny_config()).train()
+    balancing, clip = QuantileBalancingCallback(model), QKClip(model, tau=100.0)
     assert training_step_syncs(model) == []
-    routers = [module for module in model.modules() if isinstance(module, modeling_kimi_k3.KimiK3TopkRouter)]
-    assert all(router.tokens_per_expert.sum() == 35 * router.top_k for router in routers)  # valid tokens only
+    statistics = balancing.statistics(model).values()
+    assert all(stats.tokens_per_expert.sum() == 35 * stats.router.top_k for stats in statistics)  # valid tokens only
+    assert all(torch.isfinite(recorder.maximum).all() for recorder in clip.recorders)
 
 
 def test_the_sync_recorder_catches_boolean_mask_indexing(monkeypatch):
     """The recorder is not blind: the boolean-mask filtering that `masked_counts` replaced is reported."""
 
-    def record_with_boolean_mask(self, scores, expert_indices, cutoff, token_mask):
-        self.tokens_per_expert += torch.bincount(expert_indices[token_mask].reshape(-1), minlength=self.num_experts)
+    def add_with_boolean_mask(self, router, logits, weights, routes):
+        token_mask = self.padding.rows(routes.shape[0])
+        self.tokens_per_expert += torch.bincount(routes[token_mask].reshape(-1), minlength=router.num_experts)
 
-    monkeypatch.setattr(modeling_kimi_k3.KimiK3TopkRouter, "_record", record_with_boolean_mask)
-    syncs = training_step_syncs(modeling_kimi_k3.KimiK3ForCausalLM(tiny_config()).train())
+    monkeypatch.setattr(RouterStatistics, "_add", add_with_boolean_mask)
+    model = modeling_kimi_k3.KimiK3ForCausalLM(tiny_config()).train()
+    QuantileBalancingCallback(model)
+    syncs = training_step_syncs(model)
     assert any("aten.index" in sync for sync in syncs) and any("bincount" in sync for sync in syncs)

@@ -262,23 +262,25 @@ def test_frozen_head_projections_are_refused(config):
 
 
 def test_qk_clip_brings_head_max_logit_to_tau():
-    config = tiny_config(record_attn_logit_max=True)
+    config = tiny_config()
     model = KimiK3ForCausalLM(config).train()
+    clip = QKClip(model, float("inf"))  # records from here on; tau is set once the maxima are known
     tokens = torch.randint(3, config.vocab_size, (2, 16))
-    attn = model.model.layers[config.mla_layer_indices[0]].self_attn  # the first MLA layer: same input after the clip
+    attn, recorder = clip.layers[0], clip.recorders[0]  # the first MLA layer: same input after the clip
     with torch.no_grad():
         attn.q_b_proj.weight.view(2, 12, -1)[0] *= 4.0  # head 0 well above head 1
     model(input_ids=tokens)
-    recorded = attn.attn_logit_max.clone()
+    recorded = recorder.maximum.clone()
     tau = recorded[0].item() / 2  # S_0 = 2·tau
     assert recorded[1] <= tau
     weights = (attn.q_b_proj.weight, attn.kv_b_proj.weight, attn.kv_a_proj_with_mqa.weight)
     query_before, key_value_before, shared_key_before = (weight.detach().clone() for weight in weights)
-    QKClip(model, tau)()
-    assert torch.all(attn.attn_logit_max == -torch.inf)
+    clip.tau = tau
+    clip()
+    assert torch.all(recorder.maximum == -torch.inf)
     model(input_ids=tokens)
-    assert attn.attn_logit_max[0].item() == pytest.approx(tau, rel=1e-3)
-    assert attn.attn_logit_max[1] == recorded[1]
+    assert recorder.maximum[0].item() == pytest.approx(tau, rel=1e-3)
+    assert recorder.maximum[1] == recorded[1]
     query, query_before = attn.q_b_proj.weight.detach().view(2, 12, -1), query_before.view(2, 12, -1)
     key_value, key_value_before = attn.kv_b_proj.weight.detach().view(2, 16, -1), key_value_before.view(2, 16, -1)
     assert torch.equal(query[1], query_before[1]) and torch.equal(key_value[1], key_value_before[1])
@@ -290,12 +292,13 @@ def test_qk_clip_brings_head_max_logit_to_tau():
 
 
 def test_large_query_scale_clips_its_head_to_tau_and_padded_query_rows_cannot_trigger_a_clip():
-    config = tiny_config(record_attn_logit_max=True)
+    config = tiny_config()
     model = KimiK3ForCausalLM(config).train()
+    clip = QKClip(model, float("inf"))
     tokens = torch.randint(3, config.vocab_size, (2, 16))
     attention_mask = torch.ones_like(tokens)
     attention_mask[1, 12:] = 0  # right padding: the last 4 query rows of sequence 1 are never attended from
-    attn = model.model.layers[config.mla_layer_indices[0]].self_attn
+    attn, recorder = clip.layers[0], clip.recorders[0]
     with torch.no_grad():
         attn.q_b_proj.weight.view(2, 12, -1)[0] *= 4.0  # a deliberately large query scale on head 0
 
@@ -303,11 +306,11 @@ def test_large_query_scale_clips_its_head_to_tau_and_padded_query_rows_cannot_tr
         def scale(module, inputs, output):
             output[1, 12:] *= scale_padded_queries
 
-        attn.attn_logit_max.fill_(-torch.inf)
+        recorder.maximum.fill_(-torch.inf)
         handle = attn.q_b_proj.register_forward_hook(scale)
         model(input_ids=tokens, attention_mask=attention_mask)
         handle.remove()
-        return attn.attn_logit_max.clone()
+        return recorder.maximum.clone()
 
     plain = recorded_maxima(1.0)
     # Padded query rows 100x larger: a head's max covers real rows only, so it is bitwise the plain forward's.
@@ -315,7 +318,7 @@ def test_large_query_scale_clips_its_head_to_tau_and_padded_query_rows_cannot_tr
     tau = plain[0].item() / 2  # S_0 = 2 tau, S_1 <= tau
     assert plain[1] <= tau
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    clip = QKClip(model, tau)
+    clip.tau = tau
     clip()  # on the maxima of the forward with 100x padded query rows
     assert clip.latest_metrics["qk_clip/clipped_heads"] == 1
     assert clip.latest_metrics["qk_clip/max_logit"] == plain[0].item()
@@ -332,10 +335,10 @@ def test_large_query_scale_clips_its_head_to_tau_and_padded_query_rows_cannot_tr
 
 
 def test_qk_clip_max_reduces_logits_over_ranks(monkeypatch):
-    model = KimiK3ForCausalLM(tiny_config(record_attn_logit_max=True))
+    model = KimiK3ForCausalLM(tiny_config())
     clip = QKClip(model, tau=1.0)
-    for attn in clip.layers:
-        attn.attn_logit_max.fill_(0.5)  # this rank: under tau
+    for recorder in clip.recorders:
+        recorder.maximum.fill_(0.5)  # this rank: under tau
     other_rank = torch.tensor([[4.0, 0.25]] * len(clip.layers))  # another rank: head 0 over tau
 
     def all_reduce(tensor, op):
@@ -350,11 +353,6 @@ def test_qk_clip_max_reduces_logits_over_ranks(monkeypatch):
     after = query.detach().view(2, 12, -1)
     torch.testing.assert_close(after[0, 8:], before[0, 8:] / 4)  # gamma = tau / 4 from the other rank
     assert torch.equal(after[1], before[1])  # max(0.5, 0.25) <= tau
-
-
-def test_qk_clip_needs_recorded_logits(config):
-    with pytest.raises(ValueError, match="record_attn_logit_max=True"):
-        PerHeadMuon.for_model(KimiK3ForCausalLM(config), qk_clip_tau=100.0)
 
 
 def _four_layer_config(**overrides):
@@ -401,7 +399,7 @@ def test_trainer_default_scheduler_drives_muon_and_adamw_groups(tmp_path):
 
 def test_trainer_resume_from_checkpoint_is_bitwise(tmp_path):
     """Plain Trainer: its checkpoints hold the released per-expert keys, which the experts' load_state_dict takes."""
-    config = _four_layer_config(record_attn_logit_max=True)
+    config = _four_layer_config()
     factory = (PerHeadMuonFactory, {"lr": 1e-2, "weight_decay": 0.1, "qk_clip_tau": 0.01})
 
     def train(output_dir, resume=None):
@@ -420,7 +418,7 @@ def test_trainer_resume_from_checkpoint_is_bitwise(tmp_path):
 
 
 def test_qk_clip_callback_equals_clip_inside_the_optimizer_and_logs_its_statistics(tmp_path):
-    config = _four_layer_config(record_attn_logit_max=True)
+    config = _four_layer_config()
 
     def train(qk_clip_tau, callbacks):
         torch.manual_seed(0)
@@ -450,7 +448,7 @@ def test_qk_clip_callback_equals_clip_inside_the_optimizer_and_logs_its_statisti
 
 
 def test_qk_clip_callback_refuses_a_tau_other_than_the_optimizers(tmp_path):
-    config = _four_layer_config(record_attn_logit_max=True)
+    config = _four_layer_config()
     model = KimiK3ForCausalLM(config)
     optimizer = PerHeadMuon.for_model(model, lr=1e-2, qk_clip_tau=0.01)
     trainer = Trainer(model=model, args=_training_args(tmp_path, max_steps=1), train_dataset=_token_dataset(config),
@@ -461,13 +459,13 @@ def test_qk_clip_callback_refuses_a_tau_other_than_the_optimizers(tmp_path):
 
 @pytest.mark.parametrize("tau", [0, -1.0, float("nan"), "100"])
 def test_qk_clip_refuses_a_threshold_that_is_not_a_positive_number(tau):
-    model = KimiK3ForCausalLM(tiny_config(record_attn_logit_max=True))
+    model = KimiK3ForCausalLM(tiny_config())
     with pytest.raises(ValueError, match="`qk_clip_tau` must be a number > 0"):
         QKClip(model, tau)
 
 
 def test_trainer_factory_trains_with_the_training_arguments_lr_and_weight_decay(tmp_path):
-    config = _four_layer_config(record_attn_logit_max=True)
+    config = _four_layer_config()
     model = KimiK3ForCausalLM(config)
     args = _training_args(tmp_path, max_steps=1, learning_rate=3e-4, weight_decay=0.02, adam_beta2=0.99)
     trainer = Trainer(model=model, args=args, train_dataset=_token_dataset(config),

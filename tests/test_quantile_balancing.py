@@ -335,6 +335,7 @@ def model(config):
 
 
 def test_real_router_routes_top_k_of_biased_scores_with_bias_free_weights(model):
+    statistics = QuantileBalancingCallback(model).statistics(model)["layer_1"]
     router = find_routers(model)["layer_1"]
     router.train()
     hidden = torch.randn(40, model.config.hidden_size, requires_grad=True)
@@ -346,8 +347,8 @@ def test_real_router_routes_top_k_of_biased_scores_with_bias_free_weights(model)
     assert torch.equal(indices.sort(-1).values, expected_routes.sort(-1).values)
     picked = scores.gather(1, indices)
     torch.testing.assert_close(weights, picked / picked.sum(-1, keepdim=True))
-    # Recording pinned to the reference: the router's histogram is required_bias_histogram of r.
-    assert torch.equal(router.qb_histogram, required_bias_histogram(r, bias, router.num_bins))
+    # Recording pinned to the reference: the recorded histogram is required_bias_histogram of r.
+    assert torch.equal(statistics.histogram, required_bias_histogram(r, bias, statistics.num_bins))
     # A common offset selects the same experts and gives bit-identical weights; b never gets a gradient.
     router.e_score_correction_bias.add_(0.3)
     _, shifted_weights, shifted_indices = router(hidden)
@@ -360,34 +361,32 @@ def test_real_router_routes_top_k_of_biased_scores_with_bias_free_weights(model)
 
 def test_update_solves_the_pooled_histogram_and_clears_statistics(model):
     callback = QuantileBalancingCallback(model)
-    routers = find_routers(model)
+    routers, statistics = find_routers(model), callback.statistics(model)
     train_forward(model, batch_ids(seed=0))
     train_forward(model, batch_ids(seed=1))  # a second micro-batch of the same optimizer step
-    hist = torch.stack([router.qb_histogram.clone() for router in routers.values()])
+    hist = torch.stack([stats.histogram.clone() for stats in statistics.values()])
     bias = torch.stack([router.e_score_correction_bias.clone() for router in routers.values()])
     metrics = callback.update(model)
     expected = solve_bias_from_histogram(hist, bias, model.config.num_experts_per_token)
-    for i, router in enumerate(routers.values()):
+    for i, (router, stats) in enumerate(zip(routers.values(), statistics.values())):
         assert torch.equal(router.e_score_correction_bias, expected[i])
         assert abs(router.e_score_correction_bias.mean().item()) < 1e-6
-        assert router.qb_histogram.sum() == 0 and router.tokens_per_expert.sum() == 0
+        assert stats.histogram.sum() == 0 and stats.tokens_per_expert.sum() == 0
     assert (hist.sum(-1) == 2 * 2 * 16).all()  # both micro-batches, every token once per expert
     assert metrics["balance/dead_experts"] >= 0 and metrics["balance/layer_1/max_vio"] > 0
 
 
-def test_exact_estimator_solves_all_kept_required_biases(config):
-    config.qb_estimator = "exact"
-    model = KimiK3ForCausalLM(config)
-    callback = QuantileBalancingCallback(model)
-    router = find_routers(model)["layer_1"]
+def test_exact_estimator_solves_all_kept_required_biases(model):
+    callback = QuantileBalancingCallback(model, estimator="exact")
+    router, statistics = find_routers(model)["layer_1"], callback.statistics(model)["layer_1"]
     train_forward(model, batch_ids())
-    r = torch.cat(router.qb_required_bias)
+    r = statistics.step_required_bias()
     expected = solve_bias_exact(r, router.e_score_correction_bias.clone(), router.top_k)
     callback.update(model)
     assert torch.equal(router.e_score_correction_bias, expected)
-    assert r.shape == (2 * 16, router.num_experts) and router.qb_required_bias == []
+    assert r.shape == (2 * 16, router.num_experts) and statistics.required_biases == []
     with pytest.raises(ValueError, match="single-process"):
-        callback.on_train_begin(SimpleNamespace(world_size=2, ddp_broadcast_buffers=False), None, None, model=model)
+        callback.on_train_begin(SimpleNamespace(world_size=2), None, None, model=model)
 
 
 def test_activation_checkpointing_recompute_gives_identical_bias(model):
@@ -395,9 +394,10 @@ def test_activation_checkpointing_recompute_gives_identical_bias(model):
     checkpointed.activation_checkpointing_enable({"use_reentrant": False})
     hists = []
     for candidate in (model, checkpointed):
+        callback = QuantileBalancingCallback(candidate)
         train_forward(candidate, batch_ids(batch=1), backward=True)
-        hists.append(find_routers(candidate)["layer_1"].qb_histogram.clone())
-        QuantileBalancingCallback(candidate).update(candidate)
+        hists.append(callback.statistics(candidate)["layer_1"].histogram.clone())
+        callback.update(candidate)
     assert hists[1].sum() == 2 * hists[0].sum()  # the recompute records every checkpointed layer again
     for plain, recomputed in zip(find_routers(model).values(), find_routers(checkpointed).values()):
         assert torch.equal(plain.e_score_correction_bias, recomputed.e_score_correction_bias)
@@ -405,7 +405,7 @@ def test_activation_checkpointing_recompute_gives_identical_bias(model):
 
 def test_eval_and_no_grad_forwards_leave_statistics_and_bias_frozen(model):
     callback = QuantileBalancingCallback(model)
-    routers = find_routers(model)
+    routers, statistics = find_routers(model), callback.statistics(model)
     for router in routers.values():
         router.e_score_correction_bias.copy_(0.01 * torch.randn(router.num_experts))
     before = [router.e_score_correction_bias.clone() for router in routers.values()]
@@ -414,13 +414,13 @@ def test_eval_and_no_grad_forwards_leave_statistics_and_bias_frozen(model):
     model.train()
     with torch.no_grad():
         model(input_ids=batch_ids())
-    assert all(router.qb_histogram.sum() == 0 and router.tokens_per_expert.sum() == 0 for router in routers.values())
+    assert all(stats.histogram.sum() == 0 and stats.tokens_per_expert.sum() == 0 for stats in statistics.values())
     assert callback.update(model) == {}  # empty step: no update, no NaN, nothing to log
     assert all(torch.equal(router.e_score_correction_bias, b) for router, b in zip(routers.values(), before))
 
 
 def test_padding_is_routed_but_not_counted(model):
-    QuantileBalancingCallback(model)
+    statistics = QuantileBalancingCallback(model).statistics(model)["layer_2"]
     router = find_routers(model)["layer_2"]
     routed = []
     handle = router.register_forward_hook(lambda module, args, out: routed.append(out[2].shape[0]))
@@ -429,8 +429,8 @@ def test_padding_is_routed_but_not_counted(model):
     train_forward(model, batch_ids(), attention_mask=mask)
     handle.remove()
     assert routed == [32]
-    assert (router.qb_histogram.sum(-1) == 26).all()
-    assert router.tokens_per_expert.sum() == 26 * router.top_k
+    assert (statistics.histogram.sum(-1) == 26).all()
+    assert statistics.tokens_per_expert.sum() == 26 * router.top_k
 
 
 def test_padding_rows_are_dropped_without_boolean_indexing():
@@ -447,35 +447,38 @@ def test_padding_rows_are_dropped_without_boolean_indexing():
 
 
 def test_save_and_reload_keep_the_bias_bit_exact_without_statistics(model, tmp_path):
+    callback = QuantileBalancingCallback(model)
     train_forward(model, batch_ids())
-    QuantileBalancingCallback(model).update(model)
+    callback.update(model)
     train_forward(model, batch_ids(seed=3))  # statistics pending at save time
     model.save_pretrained(tmp_path)
     with safe_open(tmp_path / "model.safetensors", "pt") as saved:
         keys = list(saved.keys())
     assert sum(key.endswith("e_score_correction_bias") for key in keys) == len(find_routers(model))
-    assert not any("qb_histogram" in key or "tokens_per_expert" in key for key in keys)
+    assert not any("histogram" in key or "tokens_per_expert" in key for key in keys)
     reloaded = KimiK3ForCausalLM.from_pretrained(tmp_path)
+    assert list(reloaded.buffers()) == [router.e_score_correction_bias for router in find_routers(reloaded).values()]
     for name, router in find_routers(model).items():
         loaded = find_routers(reloaded)[name]
         assert loaded.e_score_correction_bias.dtype == torch.float32
         assert torch.equal(loaded.e_score_correction_bias, router.e_score_correction_bias)
-        assert loaded.qb_histogram.sum() == 0
 
 
 def test_sign_and_none_rules_are_baselines_and_disabled_does_nothing(model):
     router = find_routers(model)["layer_1"]
+    sign = QuantileBalancingCallback(model, update_rule="sign", sign_gamma=1e-2)
     train_forward(model, batch_ids())
-    load = router.tokens_per_expert.clone()
-    QuantileBalancingCallback(model, update_rule="sign", sign_gamma=1e-2).update(model)
+    load = sign.statistics(model)["layer_1"].tokens_per_expert.clone()
+    sign.update(model)
     expected = 1e-2 * torch.sign(load.double().mean() - load).float()
     assert torch.equal(router.e_score_correction_bias, expected)
     for rule, enabled, logs_metrics in (("none", True, True), ("quantile", False, False)):
+        callback = QuantileBalancingCallback(model, update_rule=rule, enabled=enabled)
         train_forward(model, batch_ids(seed=4))
-        metrics = QuantileBalancingCallback(model, update_rule=rule, enabled=enabled).update(model)
+        metrics = callback.update(model)
         assert torch.equal(router.e_score_correction_bias, expected)
         assert ("balance/max_vio" in metrics) == logs_metrics
-        assert router.qb_histogram.sum() == 0
+        assert callback.statistics(model)["layer_1"].tokens_per_expert.sum() == 0
 
 
 def test_one_all_reduce_per_step_even_for_an_empty_step(model, tmp_path, monkeypatch):
@@ -495,25 +498,28 @@ def test_one_all_reduce_per_step_even_for_an_empty_step(model, tmp_path, monkeyp
         callback.update(model)
     finally:
         dist.destroy_process_group()
-    layers, n, bins = len(find_routers(model)), model.config.num_experts, model.config.qb_num_bins
+    layers, n, bins = len(find_routers(model)), model.config.num_experts, callback.num_bins
     assert calls == [layers * n * (bins + 1)] * 2
 
 
 def test_callback_rejects_setups_quantile_balancing_cannot_handle(model):
     with pytest.raises(ValueError, match="no MoE router"):
         QuantileBalancingCallback(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="qb_estimator"):
-        QuantileBalancingCallback(model, estimator="exact")
+    with pytest.raises(ValueError, match="estimator"):
+        QuantileBalancingCallback(model, estimator="median")
+    for bins in (1, 2.5):
+        with pytest.raises(ValueError, match="num_bins"):
+            QuantileBalancingCallback(model, num_bins=bins)
     with pytest.raises(ValueError, match="update_rule"):
         QuantileBalancingCallback(model, update_rule="aux_loss")
     with pytest.raises(ValueError, match="ema"):
         QuantileBalancingCallback(model, ema=1.0)
-    no_qb_config = copy.deepcopy(model.config)
-    no_qb_config.router_balancing = "none"
-    no_qb = KimiK3ForCausalLM(no_qb_config)
-    with pytest.raises(ValueError, match="router_balancing"):
-        QuantileBalancingCallback(no_qb)
-    QuantileBalancingCallback(no_qb, update_rule="sign")
+    softmax_config = copy.deepcopy(model.config)
+    softmax_config.moe_router_activation_func = "softmax"
+    softmax_router = KimiK3ForCausalLM(softmax_config)
+    with pytest.raises(ValueError, match="moe_router_activation_func must be 'sigmoid'"):
+        QuantileBalancingCallback(softmax_router)
+    QuantileBalancingCallback(softmax_router, update_rule="sign")
     model.config.num_expert_group, model.config.topk_group = 4, 2
     with pytest.raises(ValueError, match="group-limited"):
         QuantileBalancingCallback(model)
@@ -524,11 +530,7 @@ def test_callback_rejects_setups_quantile_balancing_cannot_handle(model):
         QuantileBalancingCallback(model)
 
 
-def test_callback_requires_fp32_bias_and_no_ddp_buffer_broadcast(model):
-    callback = QuantileBalancingCallback(model)
-    ddp_args = SimpleNamespace(world_size=2, ddp_broadcast_buffers=None)
-    with pytest.raises(ValueError, match="ddp_broadcast_buffers=False"):
-        callback.on_train_begin(ddp_args, None, None, model=model)
+def test_callback_requires_fp32_bias(model):
     model.to(torch.bfloat16)
     QuantileBalancingCallback(model)  # `.to` keeps the bias float32
     router = find_routers(model)["layer_1"]
@@ -539,8 +541,8 @@ def test_callback_requires_fp32_bias_and_no_ddp_buffer_broadcast(model):
 
 
 def test_trainer_updates_once_per_optimizer_step_and_logs_metrics(model, tmp_path, capsys):
-    routers = find_routers(model)
-    layer = routers["layer_1"]
+    balancing = QuantileBalancingCallback(model)
+    layer, statistics = find_routers(model)["layer_1"], balancing.statistics(model)["layer_1"]
 
     class Probe(TrainerCallback):
         """Sees the statistics after each micro-batch and just before / after the update."""
@@ -549,17 +551,17 @@ def test_trainer_updates_once_per_optimizer_step_and_logs_metrics(model, tmp_pat
             self.substep_tokens, self.steps, self.reported = [], [], []
 
         def on_substep_end(self, args, state, control, **kwargs):
-            self.substep_tokens.append(int(layer.qb_histogram[0].sum()))
+            self.substep_tokens.append(int(statistics.histogram[0].sum()))
             assert torch.equal(layer.e_score_correction_bias, self.bias_at_step_start)
 
         def on_step_begin(self, args, state, control, **kwargs):
             self.bias_at_step_start = layer.e_score_correction_bias.clone()
 
         def on_optimizer_step(self, args, state, control, **kwargs):
-            self.pending = (layer.qb_histogram.clone(), layer.e_score_correction_bias.clone())
+            self.pending = (statistics.histogram.clone(), layer.e_score_correction_bias.clone())
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.steps.append((*self.pending, layer.e_score_correction_bias.clone(), int(layer.qb_histogram.sum())))
+            self.steps.append((*self.pending, layer.e_score_correction_bias.clone(), int(statistics.histogram.sum())))
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             self.reported.append(dict(logs))
@@ -575,7 +577,7 @@ def test_trainer_updates_once_per_optimizer_step_and_logs_metrics(model, tmp_pat
     # A stand-in for a report_to integration: those sit right after DefaultFlowCallback, before user callbacks.
     reporter = Probe()
     trainer.callback_handler.callbacks.insert(1, reporter)
-    QuantileBalancingCallback(model).attach(trainer)
+    balancing.attach(trainer)
     trainer.train()
 
     assert probe.substep_tokens == [16] * 3  # after the first micro-batch of each step

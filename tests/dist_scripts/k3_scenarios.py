@@ -106,9 +106,9 @@ class StepRecorder(TrainerCallback):
     def __init__(self):
         self.losses, self.logit_maxima, self.biases = [], [], []
 
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        maxima = [module.attn_logit_max for module in model.modules() if hasattr(module, "attn_logit_max")]
-        self.logit_maxima.append(torch.stack(maxima).clone())
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        recorders = getattr(optimizer, "optimizer", optimizer).qk_clip.recorders  # inside accelerate's wrapper
+        self.logit_maxima.append(torch.stack([recorder.maximum for recorder in recorders]).clone())
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         biases = router_biases(model)
@@ -263,7 +263,7 @@ def pooled_histograms_and_bias(config, batches: list[torch.Tensor]) -> dict:
     balancing = QuantileBalancingCallback(model)
     for input_ids in batches:
         model(input_ids=input_ids)
-    local = torch.stack([router.qb_histogram for router in find_routers(model).values()]).clone()
+    local = torch.stack([stats.histogram for stats in balancing.statistics(model).values()]).clone()
     (pooled,) = all_reduce_sum([local])
     balancing.update(model)
     return {"local": local, "pooled": pooled, "bias": router_biases(model)}

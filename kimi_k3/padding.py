@@ -1,0 +1,65 @@
+"""Which tokens of the forward in progress are real, for statistics that must not count padding.
+
+The model needs no such mask (its attention masks handle padding), so recorders that attach from outside
+(:mod:`kimi_k3.quantile_balancing`, :mod:`kimi_k3.qk_clip`) read it from a :class:`PaddingTracker` on the decoder stack.
+"""
+
+import inspect
+
+import torch
+from torch import nn
+
+
+def decoder_stack(model: nn.Module) -> nn.Module:
+    """The module holding ``embed_tokens`` and ``layers`` (``KimiK3Model``) inside ``model`` and any wrapper of it."""
+    for module in model.modules():
+        if hasattr(module, "embed_tokens") and isinstance(getattr(module, "layers", None), nn.ModuleList):
+            return module
+    raise ValueError(f"{type(model).__name__} holds no decoder stack (a module with `embed_tokens` and `layers`).")
+
+
+class PaddingTracker:
+    """Keeps ``token_mask`` [batch·seq] (True = real token, in the flattened order routers see) of the current forward.
+
+    A forward pre-hook on the decoder stack reads the call's 2-D ``attention_mask`` (its last ``seq`` columns, as
+    cached steps prepend past positions); the mask is None for an unpadded call or a custom 4-D mask.
+    """
+
+    def __init__(self, model: nn.Module):
+        stack = decoder_stack(model)
+        self.token_mask: torch.Tensor | None = None
+        self._signature = inspect.signature(stack.forward)
+        self._handle = stack.register_forward_pre_hook(self._capture, with_kwargs=True)
+
+    def _capture(self, stack: nn.Module, args: tuple, kwargs: dict) -> None:
+        call = self._signature.bind_partial(*args, **kwargs).arguments
+        mask = call.get("attention_mask")
+        inputs = call.get("input_ids") if call.get("input_ids") is not None else call.get("inputs_embeds")
+        self.token_mask = None
+        if mask is not None and mask.ndim == 2 and inputs is not None:
+            self.token_mask = mask[:, -inputs.shape[1] :].bool().reshape(-1)
+
+    def rows(self, num_rows: int) -> torch.Tensor | None:
+        """The mask for a tensor of ``num_rows`` token rows; an error if the rows are not the forward's tokens."""
+        if self.token_mask is not None and self.token_mask.numel() != num_rows:
+            raise ValueError(
+                f"a recorder saw {num_rows} token rows but the forward's attention_mask covers "
+                f"{self.token_mask.numel()} tokens; record only through the model's own forward"
+            )
+        return self.token_mask
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+def masked_counts(index: torch.Tensor, token_mask: torch.Tensor | None, size: int) -> torch.Tensor:
+    """Counts [size] (int64) of the values of ``index`` [N, m] in the rows where ``token_mask`` [N] is True.
+
+    Padding rows go to a spare slot that is dropped. Unlike boolean indexing, or ``bincount`` on a GPU, nothing here
+    needs a size that depends on the data, so recording statistics never waits for the device.
+    """
+    if token_mask is not None:
+        index = index.masked_fill(~token_mask[:, None], size)
+    ones = torch.ones((), dtype=torch.int64, device=index.device).expand(index.numel())
+    counts = torch.zeros(size + 1, dtype=torch.int64, device=index.device)
+    return counts.scatter_add_(0, index.reshape(-1), ones)[:size]
