@@ -7,6 +7,8 @@ sizes, see benchmarks/README.md). `use_fused_situ(model)` swaps that in, the way
 (``kernelize``) replaces the forward of a layer that keeps its torch reference as the body.
 """
 
+import contextlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from functools import partial
@@ -64,6 +66,20 @@ def situ_glu_backward(
     return torch.cat(situ_and_mul_backward(gate, up, grad_output, beta, linear_beta), dim=-1)
 
 
+def isa_safe_compile_caches() -> contextlib.AbstractContextManager:
+    """Inductor's FX graph cache with the CPU's own kernels; without it when ``ATEN_CPU_CAPABILITY`` restricts them.
+
+    The cache key does not include that restriction (torch 2.13): a kernel cached by a process restricted to AVX2 on
+    an AVX-512 CPU, read back by an unrestricted process on the same machine (or the other way round), computes wrong
+    values and writes out of bounds. A restricted process therefore neither reads nor writes the cache.
+    """
+    if not os.environ.get("ATEN_CPU_CAPABILITY"):
+        return contextlib.nullcontext()
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(fx_graph_cache=False)
+
+
 class CompiledFunction:
     """``function`` compiled by ``torch.compile`` on first call, with dynamic shapes, shared by all its callers.
 
@@ -88,7 +104,8 @@ class CompiledFunction:
             except RuntimeError as error:
                 return self._fall_back(error, args)
         try:
-            return self.compiled(*args)
+            with isa_safe_compile_caches():
+                return self.compiled(*args)
         except Exception as error:
             from torch._dynamo.exc import TorchDynamoException  # loaded by the compiled call
 

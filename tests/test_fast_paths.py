@@ -9,6 +9,8 @@ falls back to it when compilation fails.
 """
 
 import os
+import subprocess
+import sys
 import traceback
 
 import pytest
@@ -33,7 +35,7 @@ from kimi_k3.fused_situ import (
 from kimi_k3.qk_clip import QKClip
 from kimi_k3.quantile_balancing import QuantileBalancingCallback, RouterStatistics
 from modeling_kimi_k3 import KimiK3DeltaAttention, KimiK3SparseMoeBlock, kda_sub_chunk_size, situ_and_mul
-from tests.conftest import tiny_config
+from tests.conftest import ROOT, tiny_config
 
 aten = torch.ops.aten
 
@@ -229,6 +231,28 @@ def test_a_backward_kernel_that_fails_to_compile_falls_back_too():
     assert captured.out.count("torch.compile of `backward_with_fresh_graph` failed") == 1
     torch.testing.assert_close(out, expected_out, rtol=2e-6, atol=2e-6 * expected_out.abs().max().item())
     torch.testing.assert_close(grad, expected_grad, rtol=1e-6, atol=1e-6 * expected_grad.abs().max().item())
+
+
+ISA_CHECK = """
+import torch
+from kimi_k3.fused_situ import SHARED_KERNELS, situ_glu
+gate_up = torch.randn(512, 128, generator=torch.Generator().manual_seed(0))
+error = (SHARED_KERNELS.glu(gate_up, 4.0, 25.0) - situ_glu(gate_up, 4.0, 25.0)).abs().max().item()
+assert not SHARED_KERNELS.glu.failed and error < 1e-5, error
+"""
+
+
+def test_kernels_compiled_under_a_restricted_cpu_capability_do_not_leak_through_inductors_cache(tmp_path):
+    """Emulating an AVX2 CPU (``ATEN_CPU_CAPABILITY=avx2``) and training normally on one machine share inductor's
+    cache; its key omits the restriction, so without care the second process runs the first one's kernel: wrong
+    values and out-of-bounds writes (seen with torch 2.13 on an AVX-512 CPU)."""
+    environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT),
+                   "OMP_NUM_THREADS": "2"}  # the wrong kernels showed in the multi-threaded loop
+    environment.pop("ATEN_CPU_CAPABILITY", None)
+    for restricted in ({"ATEN_CPU_CAPABILITY": "avx2"}, {}, {"ATEN_CPU_CAPABILITY": "avx2"}):
+        result = subprocess.run([sys.executable, "-c", ISA_CHECK], env={**environment, **restricted},
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, (restricted, result.stderr[-2000:])
 
 
 # ------------------------------------------------------------------------------------------------ host synchronisation
