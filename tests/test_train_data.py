@@ -12,6 +12,7 @@ import datasets
 import pytest
 import torch
 from datasets.packaged_modules.json.json import Json, JsonConfig
+from huggingface_hub import ModelCard
 
 from kimi_k3 import data, train
 from kimi_k3.tokenizer import load_tokenizer, train_bpe_tokenizer
@@ -65,8 +66,9 @@ def test_dataset_cached_by_an_earlier_download_loads_by_name_offline(tmp_path, m
 
     args = ["--dataset_name", "someone/tiny_corpus", "--text_column", "content", "--max_steps", "2", "--save_steps", "2"]
     assert run_main(tiny_args(tmp_path / "run", None, *args))[0] == 0
-    card = (tmp_path / "run" / "model" / "README.md").read_text()
-    assert "| data | dataset someone/tiny_corpus |" in card
+    card = ModelCard.load(tmp_path / "run" / "model" / "README.md")
+    assert "| data | dataset someone/tiny_corpus |" in card.text and card.data.datasets == ["someone/tiny_corpus"]
+    assert card.data.language is None  # not the embedded (English) corpus
 
 
 def test_local_dataset_folders_hold_out_the_validation_percentage_when_they_have_no_validation_split(tmp_path):
