@@ -19,6 +19,7 @@ from transformers import PrinterCallback, ProgressCallback, Trainer, TrainingArg
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
+from kimi_k3.expert_load import PLOT_EXTRA, matplotlib_available, new_figure, plot_max_vio  # noqa: E402
 from kimi_k3.quantile_balancing import QuantileBalancingCallback  # noqa: E402
 from modeling_kimi_k3 import KimiK3ForCausalLM  # noqa: E402
 
@@ -132,20 +133,13 @@ def markdown_table(runs: dict[str, list[dict]], num_rows: int) -> str:
 
 
 def plot(runs: dict[str, list[dict]], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not importable: no plot")
+    if not matplotlib_available():
+        print(f"matplotlib is not importable: no plot ({PLOT_EXTRA})")
         return
-    figure, axis = plt.subplots(figsize=(7, 4))
-    for name, run in runs.items():
-        axis.plot([entry["step"] for entry in run], [entry["balance/max_vio"] for entry in run], label=name)
-    axis.set(xlabel="optimizer step", ylabel="MaxVio (worst MoE layer)", yscale="log", title="Tiny K3 router balance")
-    axis.legend()
-    figure.tight_layout()
+    figure = new_figure(figsize=(7, 4))
+    axis = figure.subplots()
+    plot_max_vio(axis, {name: [(entry["step"], entry["balance/max_vio"]) for entry in run] for name, run in runs.items()})
+    axis.set(ylabel="MaxVio (worst MoE layer)", title="Tiny K3 router balance")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
     print(f"wrote {path}")

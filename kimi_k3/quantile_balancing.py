@@ -235,6 +235,9 @@ class QuantileBalancingCallback(TrainerCallback):
 
     Pass it in ``Trainer(callbacks=[...])`` for printed logs and ``trainer_state.json``; use
     ``attach(trainer)`` instead so that ``report_to`` integrations receive the metrics as well.
+
+    After each update, ``latest_metrics`` holds the step's logged metrics and ``latest_loads`` its per-expert token
+    counts of every layer, summed over ranks (read by ``kimi_k3.expert_load``).
     """
 
     def __init__(
@@ -269,6 +272,7 @@ class QuantileBalancingCallback(TrainerCallback):
         self.per_layer_metrics = per_layer_metrics
         self.process_group = process_group
         self.latest_metrics: dict[str, float] = {}
+        self.latest_loads: dict[str, torch.Tensor] = {}
 
     @staticmethod
     def _check_estimator(estimator: str | None, config) -> str:
@@ -306,6 +310,7 @@ class QuantileBalancingCallback(TrainerCallback):
         for router, new_bias in zip(routers.values(), new_biases):
             router.e_score_correction_bias.copy_(new_bias)
         zero_statistics(routers)
+        self.latest_loads = {name: tokens[i].cpu() for i, name in enumerate(routers)}
         per_layer = {name: load_balance_metrics(tokens[i], new_biases[i]) for i, name in enumerate(routers)}
         return aggregate_over_layers(per_layer, include_layers=self.per_layer_metrics)
 

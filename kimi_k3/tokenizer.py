@@ -1,6 +1,10 @@
-"""A byte-level BPE tokenizer trained on the training text, usable through ``AutoTokenizer.from_pretrained(folder)``.
+"""A byte-level BPE tokenizer trained on the training text, saved with ``tokenizer_class`` declared.
 
-Byte level: every string encodes (no unknown token), so any prompt works at generation time.
+Byte level: every string encodes (no unknown token), so any prompt works at generation time. The tokenizer needs no
+custom code, yet in a Kimi K3 model folder ``AutoTokenizer.from_pretrained(folder)`` asks to trust remote code:
+transformers 5 resolves the folder's ``AutoConfig`` before its tokenizer files, and the config's ``auto_map`` names
+``configuration_kimi_k3.py``. Load it with ``trust_remote_code=True`` (which runs only that configuration file) or
+through ``PreTrainedTokenizerFast`` (which never reads config.json), as `load_tokenizer` does.
 """
 
 from collections.abc import Iterable

@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import datasets
 import torch
@@ -26,12 +27,13 @@ from checkpoint_format_kimi_k3 import verify_checkpoint_files
 from configuration_kimi_k3 import KimiK3Config
 from modeling_kimi_k3 import KimiK3ForCausalLM
 
-from . import hub, run_folder
+from . import expert_load, hub, run_folder
 from .balance_metrics import load_balance_metrics
 from .data import DataError, load_corpus, tokenize_into_blocks
 from .distributed import load_full_state_dict
+from .expert_load import ExpertLoadRecorder
 from .fused_situ import use_fused_situ
-from .model_card import TrainingSummary, render_model_card
+from .model_card import TrainingSummary, card_metadata, render_model_card
 from .muon import PerHeadMuonFactory
 from .precision import PRECISION_CHOICES, warn_if_bf16_is_emulated
 from .qat import ACTIVATION_FORMATS, WEIGHT_FORMATS, attach_qat, check_mxfp4_widths, find_routed_experts
@@ -147,6 +149,41 @@ class DataArguments:
         default=5.0, metadata={"help": "Share of documents held out for evaluation when there is no validation split."}
     )
     block_size: int = field(default=128, metadata={"help": "Tokens per training sequence."})
+
+
+@dataclass
+class CardArguments:
+    license: str | None = field(
+        default=None,
+        metadata={"help": "License of the model card: a hub identifier (apache-2.0, mit, ...) or `other` with "
+                          "--license_name and --license_link; default: a fine-tuned model keeps its base model's "
+                          "license (the K3 release's for moonshotai/Kimi-K3), a new model declares none."},
+    )
+    license_name: str | None = field(
+        default=None, metadata={"help": "Name of a custom license (--license other), e.g. my-license-1.0."}
+    )
+    license_link: str | None = field(
+        default=None, metadata={"help": "URL of a custom license's text (--license other)."}
+    )
+    language: list[str] | None = field(
+        default=None,
+        metadata={"help": "ISO 639 codes of the training text's languages, for the model card; default: en for the "
+                          "embedded corpus, none for --data_files."},
+    )
+    dataset_ids: list[str] | None = field(
+        default=None,
+        metadata={"help": "Hub ids of the datasets --data_files were taken from, listed in the model card (the text "
+                          "still comes from --data_files)."},
+    )
+
+
+class Publish(NamedTuple):
+    """Where the final model goes when the run ends with a push."""
+
+    repo_id: str
+    token: str
+    revision: str | None
+    private: bool | None
 
 
 class UsageError(ValueError):
@@ -273,8 +310,8 @@ def batch_size(args: TrainingArguments) -> dict[str, int]:
 # ---------------------------------------------------------------------------------------------------------------------
 # Steps of main()
 # ---------------------------------------------------------------------------------------------------------------------
-def parse_args(argv: list[str] | None) -> tuple[ModelArguments, DataArguments, TrainingArguments]:
-    parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))
+def parse_args(argv: list[str] | None) -> tuple[ModelArguments, DataArguments, CardArguments, TrainingArguments]:
+    parser = HfArgumentParser((ModelArguments, DataArguments, CardArguments, TrainingArguments))
     parser.set_defaults(**TRAINING_DEFAULTS)
     # HfArgumentParser gives a boolean's `--no_*` complement the field's own help text; say what the switch does.
     for action in parser._actions:
@@ -304,17 +341,26 @@ def check_world_size(training_args: TrainingArguments) -> None:
         )
 
 
-def publish_settings(training_args: TrainingArguments) -> tuple[str, str] | None:
-    """(repo id, token) when the run ends with a push, checked before any training; ``--hub_model_id`` implies it.
+def publish_settings(training_args: TrainingArguments) -> Publish | None:
+    """Where and how the run ends with a push, checked before any training; ``--hub_model_id`` implies it.
 
     Trainer's own push is switched off: it would upload checkpoints with the generic card (hf-integration.md §1.5).
     """
     if not (training_args.push_to_hub or training_args.hub_model_id):
         return None
-    token = hub.resolve_token(training_args.hub_token)
+    token = hub.resolve_token(training_args.hub_token, hub.TRAINING_FLAGS)
     repo_id = training_args.hub_model_id or Path(training_args.output_dir).name
     training_args.push_to_hub = False
-    return repo_id, token
+    return Publish(repo_id, token, training_args.hub_revision, training_args.hub_private_repo)
+
+
+def card_settings(card_args: CardArguments, model_args: ModelArguments, data_args: DataArguments) -> dict[str, object]:
+    """The model card's hub metadata (`card_metadata`), checked before any training; the embedded corpus is English."""
+    language = card_args.language or (None if data_args.data_files else ["en"])
+    return card_metadata(
+        model_args.model_name_or_path, card_args.license, card_args.license_name, card_args.license_link, language,
+        card_args.dataset_ids,
+    )  # fmt: skip
 
 
 def resolve_checkpoint(training_args: TrainingArguments) -> str | None:
@@ -458,7 +504,8 @@ def parse_qk_clip_tau(value: str) -> float | None:
 def optimizer_and_callbacks(model_args: ModelArguments, training_args: TrainingArguments, model,
                             qk_clip_tau: float | None):
     """Per-Head Muon through Trainer's optimizer-factory hook (or Trainer's own AdamW), the balancing callback and
-    QK-Clip (inside Per-Head Muon's step, or as a callback after AdamW's), whose statistics join the logs."""
+    QK-Clip (inside Per-Head Muon's step, or as a callback after AdamW's), whose statistics join the logs, and the
+    recorder of expert loads for the card's picture."""
     optimizer_cls_and_kwargs = None
     if model_args.optimizer == "per_head_muon":
         optimizer_cls_and_kwargs = PerHeadMuonFactory.from_training_args(
@@ -469,7 +516,8 @@ def optimizer_and_callbacks(model_args: ModelArguments, training_args: TrainingA
         callbacks.append(QKClipCallback(None if optimizer_cls_and_kwargs else qk_clip_tau))
     if find_routers(model):
         update_rule = "quantile" if model_args.quantile_balancing else "none"
-        callbacks.append(QuantileBalancingCallback(model, update_rule=update_rule, per_layer_metrics=False))
+        balancing = QuantileBalancingCallback(model, update_rule=update_rule, per_layer_metrics=False)
+        callbacks += [balancing, ExpertLoadRecorder(balancing)]
     return optimizer_cls_and_kwargs, callbacks
 
 
@@ -535,9 +583,11 @@ def training_summary(trainer, model_args, data_description, blocks, block_size, 
     )
 
 
-def save_final_model(model, tokenizer, card, target: Path, tag: str | None = None, layout: str = "ours") -> Path:
-    """Model, code, tokenizer and card written to a unique sibling staging folder, then swapped in (see
-    `run_folder.replace_folder`); a failure raises `SaveError` and leaves any previous ``target`` whole.
+def save_final_model(model, tokenizer, card, target: Path, tag: str | None = None, layout: str = "ours",
+                     files: dict[str, bytes] | None = None) -> Path:
+    """Model, code, tokenizer, card and ``files`` (name -> content, e.g. the card's picture) written to a unique
+    sibling staging folder, then swapped in (see `run_folder.replace_folder`); a failure raises `SaveError` and leaves
+    any previous ``target`` whole.
 
     ``layout="released"`` converts the staged folder to the released layout (MXFP4 experts) before the swap; the
     model's parameters are the master weights either way (QAT never changes them).
@@ -550,6 +600,8 @@ def save_final_model(model, tokenizer, card, target: Path, tag: str | None = Non
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         card.save(staging / "README.md")
+        for name, content in (files or {}).items():
+            (staging / name).write_bytes(content)
         if layout == "released":
             export_released(staging, released, progress=False)
         run_folder.replace_folder(released if layout == "released" else staging, target)
@@ -621,13 +673,14 @@ def main(argv: list[str] | None = None) -> int:
     lock = None
     try:
         try:
-            model_args, data_args, training_args = parse_args(argv)
+            model_args, data_args, card_args, training_args = parse_args(argv)
             check_batch_sizes(training_args)
             check_world_size(training_args)
             warn_if_bf16_is_emulated(training_args.bf16, training_args.device)
             qk_clip_tau = parse_qk_clip_tau(model_args.qk_clip_tau)
             run_folder.check_writable(training_args.output_dir)
             publish = publish_settings(training_args)
+            metadata = card_settings(card_args, model_args, data_args)
             lock = claim_output_folder(training_args)
             checkpoint = resolve_checkpoint(training_args)
             set_seed(training_args.seed)  # Trainer seeds only in its constructor, after the model is initialised
@@ -648,7 +701,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kimi-k3-train: error: {error}", file=sys.stderr)
             return 2
         try:
-            return run(trainer, model_args, data_args, blocks, data_description, checkpoint, publish, start)
+            return run(trainer, model_args, data_args, blocks, data_description, checkpoint, publish, metadata, start)
         except SaveError as error:
             print(f"kimi-k3-train: error: {error}", file=sys.stderr)
             return 1
@@ -657,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
             lock.release()
 
 
-def run(trainer, model_args, data_args, blocks, data_description, checkpoint, publish, start) -> int:
+def run(trainer, model_args, data_args, blocks, data_description, checkpoint, publish, metadata, start) -> int:
     """Train (or, when the checkpoint already ends the run, only load it), evaluate, then save the final model."""
     training_args = trainer.args
     model_dir = Path(training_args.output_dir) / FINAL_MODEL_DIR
@@ -678,14 +731,42 @@ def run(trainer, model_args, data_args, blocks, data_description, checkpoint, pu
     summary = training_summary(
         trainer, model_args, data_description, blocks, data_args.block_size, eval_metrics, time.perf_counter() - start
     )
-    card = render_model_card(trainer.model, publish[0] if publish else Path(training_args.output_dir).name, summary,
-                             layer_balance)
+    name = publish.repo_id if publish else Path(training_args.output_dir).name
+    picture = expert_load_picture(trainer, name)
+    card = render_model_card(trainer.model, name, summary, layer_balance, metadata,
+                             expert_load.PNG_NAME if picture else None)
     model_dir = save_final_model(
-        trainer.model, trainer.processing_class, card, model_dir, trainer.staging_tag, model_args.final_layout
+        trainer.model, trainer.processing_class, card, model_dir, trainer.staging_tag, model_args.final_layout,
+        {expert_load.PNG_NAME: picture} if picture else None,
     )
+    if picture:
+        write_file_atomically(model_dir.parent / expert_load.PNG_NAME, picture, trainer.staging_tag)
     print_report(summary, model_dir)
     if publish:
-        repo_id, token = publish
-        pushed = hub.push_folder(model_dir, repo_id, hub.HfApi(token=token), private=training_args.hub_private_repo)
+        try:
+            pushed = hub.push_folder(model_dir, publish.repo_id, hub.HfApi(token=publish.token),
+                                     private=publish.private, revision=publish.revision, flags=hub.TRAINING_FLAGS)
+        except hub.HubError as error:
+            print(f"kimi-k3-train: error: {error}; {model_dir} is saved: publish it with "
+                  f"`python scripts/push_to_hub.py {model_dir} --repo_id {publish.repo_id}`", file=sys.stderr)
+            return 1
         print(f"pushed {model_dir} to {pushed}")
     return 0
+
+
+def expert_load_picture(trainer: Trainer, title: str) -> bytes | None:
+    """The card's expert-load picture (`kimi_k3.expert_load`); None for a model without routed experts, or, after one
+    line saying how to install it, without matplotlib."""
+    recorder = next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, ExpertLoadRecorder)), None)
+    if recorder is None:
+        return None
+    if not expert_load.matplotlib_available():
+        print(f"kimi-k3-train: matplotlib is not installed, so no expert-load picture is drawn: {expert_load.PLOT_EXTRA}")
+        return None
+    return expert_load.expert_load_png(recorder.snapshots(), trainer.state.log_history, f"{title}: expert load")
+
+
+def write_file_atomically(path: Path, content: bytes, tag: str) -> None:
+    staged = path.with_name(run_folder.staging_name(path.name, tag))
+    staged.write_bytes(content)
+    os.replace(staged, path)

@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -20,13 +21,15 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, TrainerState
 
 from kimi_k3 import data, run_folder, train
+from kimi_k3.expert_load import PLOT_EXTRA, ExpertLoadRecorder, matplotlib_available, token_share
 from kimi_k3.model_card import render_model_card
+from kimi_k3.quantile_balancing import QuantileBalancingCallback
 from kimi_k3.tokenizer import load_tokenizer, train_bpe_tokenizer
 from modeling_kimi_k3 import KimiK3ForCausalLM
-from tests.conftest import TINY_CONFIG
+from tests.conftest import TINY_CONFIG, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
 # The shared tiny model of the tests; the vocabulary size comes from the trained tokenizer.
@@ -42,6 +45,24 @@ script = sys.argv.pop()
 sys.argv = ["generate.py", *sys.argv[1:]]
 runpy.run_path(script, run_name="__main__")
 assert any(name.startswith("transformers_modules.") and name.endswith(".modeling_kimi_k3") for name in sys.modules)
+"""
+
+
+# What a toy run leaves in --output_dir: two checkpoints, the final model and, with matplotlib, the expert-load picture.
+RUN_FOLDER = ["checkpoint-4", "checkpoint-8", *(["expert_load.png"] if matplotlib_available() else []), "model"]
+# Runs in `python -I` with stdin closed: only transformers and the folder's own files, as for a user of the folder.
+LOAD_TOKENIZER_IN_FRESH_PROCESS = """
+import sys
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+folder, prompt = sys.argv[1:3]
+for how in sys.argv[3:]:
+    if how == "auto":
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    elif how == "auto, trusting the folder":
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    else:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
+    print(tokenizer(prompt)["input_ids"])
 """
 
 
@@ -158,7 +179,7 @@ def test_training_lowers_loss_and_reports_eval_perplexity(trained):
     assert f"first training loss {losses[0]:.4f} -> last {losses[-1]:.4f}" in printed
     assert f"eval perplexity {math.exp(evals[-1]['eval_loss']):.2f}" in printed
     assert any("balance/max_vio" in entry for entry in history)
-    assert sorted(path.name for path in run.iterdir()) == ["checkpoint-4", "checkpoint-8", "model"]
+    assert sorted(path.name for path in run.iterdir()) == RUN_FOLDER
 
 
 def test_default_run_clips_attention_logits_at_100_and_logs_the_statistics(trained):
@@ -190,6 +211,35 @@ def test_saved_folder_generates_in_fresh_process_through_auto_classes(trained, t
     assert generate_in_fresh_process(model_dir, tmp_path) == expected
 
 
+def load_tokenizer_in_fresh_process(folder: Path, workdir: Path, *ways: str) -> subprocess.CompletedProcess:
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    env.update(HF_HOME=str(workdir / "hf-fresh"), HF_HUB_OFFLINE="1")
+    return subprocess.run(
+        [sys.executable, "-I", "-c", LOAD_TOKENIZER_IN_FRESH_PROCESS, str(folder), PROMPT, *ways],
+        cwd=workdir, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_saved_folder_tokenizer_loads_without_prompt_or_warning(trained, tmp_path):
+    """The documented ways: the folder's AutoConfig trusted (only its configuration file runs), or the tokenizer
+    class itself, which never reads config.json."""
+    ids = load_tokenizer(trained[0] / "model")(PROMPT)["input_ids"]
+    result = load_tokenizer_in_fresh_process(trained[0] / "model", tmp_path, "auto, trusting the folder", "fast")
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert result.stdout.splitlines() == [str(ids)] * 2
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="transformers 5.23-5.24 resolve a folder's AutoConfig before its tokenizer_config.json, and a config.json "
+    "with auto_map is remote code: a trust prompt, then a bare-config warning, although tokenizer_class is declared",
+)
+def test_saved_folder_tokenizer_loads_through_plain_autotokenizer_silently(trained, tmp_path):
+    result = load_tokenizer_in_fresh_process(trained[0] / "model", tmp_path, "auto")
+    assert json.loads((trained[0] / "model" / "tokenizer_config.json").read_text())["tokenizer_class"]
+    assert result.returncode == 0 and result.stderr == "" and "custom code" not in result.stdout
+
+
 def test_model_card_states_metadata_parameter_counts_and_results(trained):
     from huggingface_hub import ModelCard
 
@@ -208,6 +258,62 @@ def test_model_card_states_metadata_parameter_counts_and_results(trained):
     final_eval = [entry for entry in history if "eval_loss" in entry][-1]
     assert f"| final eval loss | {final_eval['eval_loss']:.3f} |" in card.text
     assert card.text.count("| layer_") == 8
+
+
+@pytest.mark.skipif(not matplotlib_available(), reason="matplotlib (the [plot] extra) is not installed")
+def test_expert_load_picture_is_in_model_and_run_folder_and_in_the_card(trained):
+    run = trained[0]
+    picture = (run / "model" / "expert_load.png").read_bytes()
+    assert picture == (run / "expert_load.png").read_bytes()
+    assert picture.startswith(b"\x89PNG\r\n\x1a\n")
+    width, height = struct.unpack(">II", picture[16:24])  # the IHDR chunk
+    assert width > 2 * height > 500  # two heatmaps and the MaxVio curve side by side
+    card = (run / "model" / "README.md").read_text()
+    assert "## Expert load during training" in card and "](expert_load.png)" in card
+
+
+def test_expert_load_recorder_keeps_first_and_last_step_of_the_balancing_callbacks_loads():
+    model = KimiK3ForCausalLM(tiny_config()).train()
+    balancing = QuantileBalancingCallback(model, per_layer_metrics=False)
+    recorder, state, reported = ExpertLoadRecorder(balancing), TrainerState(), []
+    for step in (1, 2, 3):
+        model(input_ids=torch.randint(3, 97, (2, 16)))
+        state.global_step = step
+        for callback in (balancing, recorder):  # the order train.optimizer_and_callbacks registers them in
+            callback.on_step_end(None, state, None, model=model)
+        reported.append({layer: load.clone() for layer, load in balancing.latest_loads.items()})
+
+    (first_step, first), (last_step, last) = recorder.snapshots()
+    assert (first_step, last_step) == (1, 3) and len(first) == 8
+    assert all(torch.equal(first[layer], reported[0][layer]) and torch.equal(last[layer], reported[2][layer])
+               for layer in first)  # fmt: skip
+    assert all(int(load.sum()) == 2 * 16 * 2 for load in first.values())  # every token visits top-k = 2 experts
+    share = token_share(first)
+    assert share.shape == (8, 8) and torch.allclose(share.mean(-1), torch.ones(8, dtype=torch.float64))
+    assert torch.equal(share[0], first["layer_1"].double() * 8 / 64)
+
+
+def test_run_without_matplotlib_or_network_says_so_once_and_keeps_the_model(trained, tmp_path, monkeypatch, capsys):
+    """No picture and one line naming the extra; a push that cannot reach the hub ends the job with exit status 1,
+    one line, and the command that publishes the saved model later."""
+    for name in ("matplotlib", "matplotlib.figure"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import matplotlib` now raises ImportError
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token")  # HF_HUB_OFFLINE=1 (conftest) makes the push fail
+    extra = ["--max_steps", "2", "--save_steps", "2", "--eval_strategy", "no", "--hub_model_id", "someone/tiny"]
+    status, printed = run_main(tiny_args(tmp_path / "run", trained[1], *extra))
+    assert status == 1 and printed.count(PLOT_EXTRA) == 1
+    assert "kimi-k3-train: matplotlib is not installed, so no expert-load picture is drawn" in printed
+    assert not list((tmp_path / "run").rglob("*.png"))
+    assert "expert_load.png" not in (tmp_path / "run" / "model" / "README.md").read_text()
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("kimi-k3-train: error: cannot push while HF_HUB_OFFLINE is set")
+    assert error.endswith(f"`python scripts/push_to_hub.py {tmp_path / 'run' / 'model'} --repo_id someone/tiny`")
+
+
+def test_card_language_defaults_to_english_for_the_embedded_corpus_only():
+    card_args, model_args = train.CardArguments(), train.ModelArguments()
+    assert train.card_settings(card_args, model_args, train.DataArguments()) == {"language": ["en"]}
+    assert train.card_settings(card_args, model_args, train.DataArguments(data_files=["a.txt"])) == {}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -265,7 +371,7 @@ def test_full_disk_is_one_line_and_leaves_previous_checkpoint_and_model_loadable
         card = render_model_card(model, "tiny")
         train.save_final_model(model, load_tokenizer(run / "model"), card, run / "model")
 
-    assert sorted(path.name for path in run.iterdir()) == ["checkpoint-4", "checkpoint-8", "model"]
+    assert sorted(path.name for path in run.iterdir()) == RUN_FOLDER
     for name, tensors in before.items():
         reloaded = KimiK3ForCausalLM.from_pretrained(run / name).state_dict()
         assert weights(run / name).keys() == tensors.keys()
@@ -282,7 +388,7 @@ def test_resuming_a_finished_run_trains_no_step_and_leaves_model_bit_identical(t
     status, printed = run_main(tiny_args(run, trained[1], "--resume_from_checkpoint", "True"))
     assert status == 0 and "already finished at step 8" in printed
     assert folder_bytes(run / "model") == before
-    assert sorted(path.name for path in run.iterdir()) == ["checkpoint-4", "checkpoint-8", "model"]
+    assert sorted(path.name for path in run.iterdir()) == RUN_FOLDER
 
 
 def test_run_killed_during_final_save_resumes_to_the_uninterrupted_model(trained, tmp_path):
@@ -292,7 +398,7 @@ def test_run_killed_during_final_save_resumes_to_the_uninterrupted_model(trained
     (run / ".staging-model-0123456789ab" / "model.safetensors").write_bytes(b"\0" * 100)
     status, printed = run_main(tiny_args(run, trained[1], "--resume_from_checkpoint", "True"))
     assert status == 0 and "8 steps" in printed
-    assert sorted(path.name for path in run.iterdir()) == ["checkpoint-4", "checkpoint-8", "model"]
+    assert sorted(path.name for path in run.iterdir()) == RUN_FOLDER
     expected, resumed = weights(trained[0] / "model"), weights(run / "model")
     assert expected.keys() == resumed.keys() and all(torch.equal(expected[key], resumed[key]) for key in expected)
 
@@ -319,7 +425,7 @@ def test_kill_between_the_two_renames_of_model_is_recovered(trained, tmp_path, m
     status, printed = run_main(tiny_args(run, trained[1], "--resume_from_checkpoint", "True"))
     assert status == 0 and "restored model" in printed and "already finished" in printed
     assert folder_bytes(run / "model") == before
-    assert sorted(path.name for path in run.iterdir()) == ["checkpoint-4", "checkpoint-8", "model"]
+    assert sorted(path.name for path in run.iterdir()) == RUN_FOLDER
 
 
 def test_resume_refuses_a_checkpoint_missing_lm_head(trained, tmp_path, capsys):
@@ -471,7 +577,11 @@ BAD_INPUTS = {
         lambda run, tmp: ["--model_name_or_path", f"{run}/model", "--tokenizer_name_or_path", bigger_tokenizer(tmp)],
         "vocab_size is 300",
     ),
-    "hub id without a token": (lambda run, tmp: ["--hub_model_id", "someone/kimi-k3-tiny"], "needs a token"),
+    "hub id without a token": (lambda run, tmp: ["--hub_model_id", "someone/kimi-k3-tiny"], "needs a token: pass --hub_token"),
+    "custom license without a link": (
+        lambda run, tmp: ["--license", "other", "--license_name", "acme"], "--license other needs --license_name NAME"
+    ),
+    "language name instead of code": (lambda run, tmp: ["--language", "English"], "--language 'English' is not an ISO"),
     "resume without a checkpoint": (lambda run, tmp: ["--resume_from_checkpoint", "True"], "no checkpoint-N folder"),
     "bad config override": (lambda run, tmp: ["--config_overrides", '{"hidden_act": "tanh"}'], "`hidden_act` must be"),
     "negative qk_clip_tau": (lambda run, tmp: ["--qk_clip_tau", "-1"], "--qk_clip_tau must be a number > 0"),
