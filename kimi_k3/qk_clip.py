@@ -29,6 +29,12 @@ class QKClip:
                 "QK-Clip needs the recorded per-head max logits: build the model with "
                 "`config.record_attn_logit_max=True`."
             )
+        distributed = getattr(config, "distributed_config", None)  # set by from_pretrained(distributed_config=...)
+        if distributed is not None and distributed.tp_size > 1:
+            raise ValueError(
+                "QK-Clip does not run on a tensor-parallel model: each rank computes the logits of its own MLA heads, "
+                "while `attn_logit_max` and the clip address every head."
+            )
         self.tau = float(tau)
         self.layers = [module for module in model.modules() if hasattr(module, "attn_logit_max")]
         if not self.layers:

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.distributed import DistributedConfig
 
 import kimi_k3.muon as muon_module
 from kimi_k3.muon import (
@@ -355,6 +356,13 @@ def test_qk_clip_max_reduces_logits_over_ranks(monkeypatch):
 def test_qk_clip_needs_recorded_logits(config):
     with pytest.raises(ValueError, match="record_attn_logit_max=True"):
         PerHeadMuon.for_model(KimiK3ForCausalLM(config), qk_clip_tau=100.0)
+
+
+def test_qk_clip_refuses_a_tensor_parallel_model():
+    model = KimiK3ForCausalLM(tiny_config(record_attn_logit_max=True))
+    model.config.distributed_config = DistributedConfig(tp_size=2)
+    with pytest.raises(ValueError, match="tensor-parallel model"):
+        PerHeadMuon.for_model(model, qk_clip_tau=100.0)
 
 
 def _four_layer_config(**overrides):
