@@ -513,13 +513,15 @@ def load_checkpoint(load: Callable, model, state_dict, checkpoint_files, load_co
     if released:
         model._weight_conversions = None  # the transforms are load-only: `save_pretrained` writes our layout again
     if strict:
-        _refuse_incomplete_load(loaded[0])
+        _refuse_incomplete_load(model, loaded[0])
     return loaded
 
 
-def _refuse_incomplete_load(loading_info) -> None:
-    """What the header check cannot see (an in-memory ``state_dict``, failed conversions) is refused after loading."""
-    problems = [f"missing {name}" for name in sorted(loading_info.missing_keys)]
+def _refuse_incomplete_load(model, loading_info) -> None:
+    """What the header check cannot see (an in-memory ``state_dict``, failed conversions) is refused after loading.
+    Tied copies (``lm_head.weight`` with ``tie_word_embeddings``) are stored once and tied after this check."""
+    missing = loading_info.missing_keys - model.all_tied_weights_keys.keys()
+    problems = [f"missing {name}" for name in sorted(missing)]
     problems += [f"{name}: {error.strip().splitlines()[-1]}" for name, error in loading_info.conversion_errors.items()]
     if problems:
         raise ValueError(_refusal(problems))

@@ -100,6 +100,74 @@ class KimiK3Config(PreTrainedConfig):
         "layers.*.block_sparse_moe.experts.down_proj": "grouped_gemm",
         "layers.*.block_sparse_moe.experts": "ep_dispatch_experts",
     }
+    # Tensor parallelism (`from_pretrained(..., tp_plan="auto")`, or `DistributedConfig(tp_size=...)`): each rank
+    # holds whole attention heads (the MLA and KDA head counts must divide by the TP size) and a slice of every GLU's
+    # intermediate width; an all-reduce ends each attention, dense MLP and shared-expert block, and one more sums the
+    # routed experts' latent outputs. The model reads head counts from the tensors, so a rank's forward runs on its
+    # own heads. Every parameter has a rule; those marked "replicate" act on whole hidden or latent vectors. The
+    # routed experts are split along their intermediate width inside the latent space; the latent down/up
+    # projections stay whole, because the latent RMSNorm and every expert read the whole latent vector (splitting
+    # them would add an all-gather and an all-reduce per layer, to save a tenth of the routed experts' FLOPs).
+    # There is no `base_model_pp_plan`: with Block Attention Residuals a layer reads every earlier block snapshot,
+    # while transformers' pipeline stages pass one hidden-state tensor on.
+    base_model_tp_plan = {
+        # Gated MLA (DeepSeek-V2 layout): queries, expanded keys/values and the output gate by heads; the compressed
+        # latent stays whole, and the gradient of its shared key part, which every head reads, is summed over ranks.
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.q_a_proj": "replicate",
+        "layers.*.self_attn.q_a_layernorm": "replicate",
+        "layers.*.self_attn.q_b_proj": "colwise",
+        "layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj",
+        "layers.*.self_attn.kv_a_layernorm": "replicate",
+        "layers.*.self_attn.kv_b_proj": "colwise",
+        # Kimi Delta Attention: projections, short convolutions (depthwise, split by channel as dim 0 of the kernel:
+        # "embedding_rowwise" is the style that shards dim 0 of a 3-D tensor) and per-head decay parameters, which
+        # the layer reads as local tensors ("local_params"); the low-rank decay input f_a stays whole, and the
+        # per-head output norm, shared by all heads, sums its gradient over ranks.
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.q_conv1d.weight": "embedding_rowwise",
+        "layers.*.self_attn.k_conv1d.weight": "embedding_rowwise",
+        "layers.*.self_attn.v_conv1d.weight": "embedding_rowwise",
+        "layers.*.self_attn.q_conv1d": "local_params",
+        "layers.*.self_attn.k_conv1d": "local_params",
+        "layers.*.self_attn.v_conv1d": "local_params",
+        "layers.*.self_attn.f_a_proj": "replicate",
+        "layers.*.self_attn.f_b_proj": "colwise",
+        "layers.*.self_attn.A_log": "colwise",
+        "layers.*.self_attn.dt_bias": "colwise",
+        "layers.*.self_attn.b_proj": "colwise",
+        "layers.*.self_attn.o_norm": "replicated_with_grad_allreduce",
+        "layers.*.self_attn": "local_params",
+        # Both attentions: sigmoid output gate by heads, output projection reduced over ranks.
+        "layers.*.self_attn.g_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        # Dense MLP and shared experts.
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+        "layers.*.block_sparse_moe.shared_experts.gate_proj": "colwise",
+        "layers.*.block_sparse_moe.shared_experts.up_proj": "colwise",
+        "layers.*.block_sparse_moe.shared_experts.down_proj": "rowwise",
+        # Stable LatentMoE: the router (and so Quantile Balancing) sees every token on every rank.
+        "layers.*.block_sparse_moe.gate": "replicate",
+        "layers.*.block_sparse_moe.routed_expert_down_proj": "replicate",
+        "layers.*.block_sparse_moe.experts.gate_up_proj": "packed_colwise",
+        "layers.*.block_sparse_moe.experts.down_proj": "rowwise",
+        "layers.*.block_sparse_moe.experts": "moe_tp_experts",
+        "layers.*.block_sparse_moe.routed_expert_norm": "replicate",
+        "layers.*.block_sparse_moe.routed_expert_up_proj": "replicate",
+        # Norms and Block Attention Residual pseudo-queries act on whole hidden vectors.
+        "layers.*.input_layernorm": "replicate",
+        "layers.*.post_attention_layernorm": "replicate",
+        "layers.*.self_attention_res_proj": "replicate",
+        "layers.*.self_attention_res_norm": "replicate",
+        "layers.*.mlp_res_proj": "replicate",
+        "layers.*.mlp_res_norm": "replicate",
+        "output_attn_res_proj": "replicate",
+        "output_attn_res_norm": "replicate",
+        "norm": "replicate",
+    }
 
     vocab_size: int = 4096
     hidden_size: int = 256

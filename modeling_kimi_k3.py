@@ -324,9 +324,9 @@ class KimiK3ShortConvolution(KeepsFloat32Tensors, nn.Conv1d):
         super().__init__(channels, channels, kernel_size, groups=channels, bias=False, dtype=torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, C, context + T] -> [B, C, context + T]: left zero padding makes every output causal."""
+        """x [B, C, context + T] -> [B, C, context + T], causal by left zero padding; one group per channel of x."""
         x = F.pad(x.to(self.weight.dtype), (self.kernel_size[0] - 1, 0))
-        return F.silu(super().forward(x))
+        return F.silu(F.conv1d(x, self.weight, groups=x.shape[1]))
 
 
 class KimiK3DeltaAttention(KeepsFloat32Tensors):
@@ -367,9 +367,7 @@ class KimiK3DeltaAttention(KeepsFloat32Tensors):
         seq_len = x.shape[1]
         x = x.transpose(1, 2)
         if cache is not None:
-            x = cache.update_conv_state(
-                x, self.layer_idx, state_idx=state_idx, conv_kernel_size=self.conv_kernel_size
-            )
+            x = cache.update_conv_state(x, self.layer_idx, state_idx=state_idx, conv_kernel_size=self.conv_kernel_size)
         return conv(x)[..., -seq_len:].transpose(1, 2)
 
     def forward(
@@ -383,7 +381,7 @@ class KimiK3DeltaAttention(KeepsFloat32Tensors):
         if attention_mask is not None:
             # Padding must not reach the short convolutions of real tokens.
             hidden_states = hidden_states * attention_mask[..., None].to(hidden_states.dtype)
-        head_shape = (batch_size, seq_len, self.num_heads, self.head_dim)
+        head_shape = (batch_size, seq_len, -1, self.head_dim)
         previous_state = cache.get_recurrent_state(self.layer_idx) if cache is not None else None
 
         q = self._causal_conv(self.q_proj(hidden_states), self.q_conv1d, cache, 0).reshape(head_shape)
@@ -485,7 +483,7 @@ class KimiK3MLAAttention(nn.Module):
             queries = self.q_proj(hidden_states)
         else:
             queries = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
-        return queries.unflatten(-1, (self.num_heads, self.qk_head_dim)).transpose(1, 2)
+        return queries.unflatten(-1, (-1, self.qk_head_dim)).transpose(1, 2)
 
     def compress_key_values(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The per-token latent the cache stores: normed c_kv [B, 1, T, kv_lora] and shared k_r [B, 1, T, rope]."""
@@ -497,9 +495,9 @@ class KimiK3MLAAttention(nn.Module):
     def expand_key_values(self, latent: torch.Tensor, shared_key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Full keys [B, H, S, nope+rope] (k_r broadcast to every head, unrotated) and values [B, H, S, v]."""
         key_values = self.kv_b_proj(latent.squeeze(1))
-        key_values = key_values.unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
+        key_values = key_values.unflatten(-1, (-1, self.qk_nope_head_dim + self.v_head_dim)).transpose(1, 2)
         key_nope, values = key_values.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        shared_key = shared_key.expand(-1, self.num_heads, -1, -1)
+        shared_key = shared_key.expand(-1, key_nope.shape[1], -1, -1)
         return torch.cat([key_nope, shared_key], dim=-1), values
 
     def absorbed_weights(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -509,7 +507,7 @@ class KimiK3MLAAttention(nn.Module):
         whatever wraps the module (a LoRA adapter, accelerate's offload hooks) acts here as in the expanded form.
         """
         identity = torch.eye(self.kv_lora_rank, dtype=latent.dtype, device=latent.device)
-        weight = self.kv_b_proj(identity).T.unflatten(0, (self.num_heads, -1))
+        weight = self.kv_b_proj(identity).T.unflatten(0, (-1, self.qk_nope_head_dim + self.v_head_dim))
         return weight.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
 
     def forward(
@@ -547,8 +545,8 @@ class KimiK3MLAAttention(nn.Module):
         key_weight, value_weight = self.absorbed_weights(latent)
         query_nope, query_rope = queries.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         absorbed_query = torch.cat([torch.einsum("bhtn,hnc->bhtc", query_nope, key_weight), query_rope], dim=-1)
-        keys = torch.cat([latent, shared_key], dim=-1).expand(-1, self.num_heads, -1, -1)
-        values = latent.expand(-1, self.num_heads, -1, -1)
+        keys = torch.cat([latent, shared_key], dim=-1).expand(-1, queries.shape[1], -1, -1)
+        values = latent.expand(-1, queries.shape[1], -1, -1)
         latent_output, attn_weights = self._attention(
             attention_interface, absorbed_query, keys, values, attention_mask, 0.0, **kwargs
         )
@@ -1003,6 +1001,7 @@ def _cache_batch_size(cache: Cache | None) -> int | None:
 
 class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}  # the model's plan is KimiK3Config.base_model_tp_plan
 
     def __init__(self, config: KimiK3Config):
         super().__init__(config)

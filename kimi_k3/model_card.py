@@ -125,7 +125,7 @@ def card_metadata(
     are hub ids of the data the model was trained on, ``language`` ISO 639 codes.
     """
     metadata: dict[str, object] = license_metadata(license, license_name, license_link) or inherited_license(base_model)
-    if base_model_id(base_model):
+    if hub_repo_id(base_model):
         metadata["base_model"] = base_model
     for code in language or []:
         if not LANGUAGE_CODE.fullmatch(code):
@@ -179,11 +179,11 @@ def inherited_license(base_model: str | None) -> dict[str, str]:
     return {}
 
 
-def base_model_id(base_model: str | None) -> str | None:
-    """``base_model`` when it names a hub repository; None for a local folder, which wins when both could be meant."""
-    if base_model is None or Path(base_model).exists() or not is_repo_id(base_model):
+def hub_repo_id(name: str | None) -> str | None:
+    """``name`` when it names a hub repository; None for a local folder, which wins when both could be meant."""
+    if name is None or Path(name).exists() or not is_repo_id(name):
         return None
-    return base_model
+    return name
 
 
 def is_repo_id(name: object) -> bool:

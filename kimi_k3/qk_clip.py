@@ -55,6 +55,12 @@ class QKClip:
     def __init__(self, model, tau):
         config = model.config
         check_tau(tau)
+        distributed = getattr(config, "distributed_config", None)  # set by from_pretrained(distributed_config=...)
+        if distributed is not None and distributed.tp_size > 1:
+            raise ValueError(
+                "QK-Clip does not run on a tensor-parallel model: each rank computes the logits of its own MLA heads, "
+                "while the recorded maxima and the clip address every head."
+            )
         self.tau = float(tau)
         self.layers = [module for module in model.modules() if hasattr(module, "query_key_observer")]
         if not self.layers:

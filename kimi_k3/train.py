@@ -29,11 +29,19 @@ from modeling_kimi_k3 import KimiK3ForCausalLM
 
 from . import expert_load, hub, run_folder
 from .balance_metrics import load_balance_metrics
-from .data import DataError, load_corpus, tokenize_into_blocks
+from .data import (
+    STREAM_EVAL_BLOCKS,
+    STREAM_TOKENIZER_DOCUMENTS,
+    DataError,
+    evaluation_blocks,
+    load_corpus,
+    tokenize_into_blocks,
+    tokenizer_documents,
+)
 from .distributed import load_full_state_dict
 from .expert_load import ExpertLoadRecorder
 from .fused_situ import use_fused_situ
-from .model_card import TrainingSummary, card_metadata, render_model_card
+from .model_card import TrainingSummary, card_metadata, hub_repo_id, render_model_card
 from .muon import PerHeadMuonFactory
 from .precision import PRECISION_CHOICES, warn_if_bf16_is_emulated
 from .qat import ACTIVATION_FORMATS, WEIGHT_FORMATS, attach_qat, check_mxfp4_widths, find_routed_experts
@@ -139,16 +147,42 @@ class ModelArguments:
 
 @dataclass
 class DataArguments:
+    dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "Train on this dataset (`datasets.load_dataset`): a hub id, one already in the datasets "
+                          "cache (found by name offline with HF_HUB_OFFLINE=1), or a local folder of data files or "
+                          "of `save_to_disk`. Its validation split is used if it has one. Not with --data_files."},
+    )
+    dataset_config_name: str | None = field(
+        default=None, metadata={"help": "Configuration of --dataset_name, for datasets that have several."}
+    )
     data_files: list[str] | None = field(
         default=None,
-        metadata={"help": "Text, JSON(-lines) or parquet files, or one `save_to_disk` folder; default: embedded "
-                          "Python documentation."},
+        metadata={"help": "Text (one document per paragraph), JSON(-lines), CSV or parquet files, also .gz/.bz2/.xz "
+                          "compressed, or glob patterns such as 'data/*.txt' (quoted); or one `save_to_disk` folder. "
+                          "Default without --dataset_name: embedded Python documentation."},
     )
-    text_column: str = field(default="text", metadata={"help": "Column holding the documents in --data_files."})
+    text_column: str = field(default="text", metadata={"help": "Column holding the documents."})
     validation_split_percentage: float = field(
-        default=5.0, metadata={"help": "Share of documents held out for evaluation when there is no validation split."}
+        default=5.0,
+        metadata={"help": "Share of documents held out for evaluation when there is no validation split: drawn at "
+                          "random (fixed seed), or with --streaming at evenly spaced positions (5: every 20th)."},
     )
     block_size: int = field(default=128, metadata={"help": "Tokens per training sequence."})
+    streaming: bool = field(
+        default=False,
+        metadata={"help": "Read the data as a stream (`IterableDataset`), packed into blocks on the fly, read in order "
+                          "and from the start again when it ends; needs --max_steps. A new tokenizer learns from the "
+                          f"first {STREAM_TOKENIZER_DOCUMENTS:,} training documents. --resume_from_checkpoint "
+                          "reads the stream again from its start and skips the batches already trained on, so it "
+                          "continues exactly as long as the source is unchanged."},
+    )
+    max_eval_samples: int | None = field(
+        default=None,
+        metadata={"help": "Evaluate on the first this many validation blocks only; default all of them, or with "
+                          f"--streaming the first {STREAM_EVAL_BLOCKS}, read once at the start, so that "
+                          "evaluation ends."},
+    )
 
 
 @dataclass
@@ -172,8 +206,9 @@ class CardArguments:
     )
     dataset_ids: list[str] | None = field(
         default=None,
-        metadata={"help": "Hub ids of the datasets --data_files were taken from, listed in the model card (the text "
-                          "still comes from --data_files)."},
+        metadata={"help": "Hub ids of the datasets the training text was taken from, listed in the model card (the "
+                          "text still comes from --data_files or --dataset_name); default: --dataset_name when it is "
+                          "a hub id."},
     )
 
 
@@ -327,6 +362,19 @@ def check_batch_sizes(training_args: TrainingArguments) -> None:
             raise UsageError(f"--{name} must be >= 1, got {value}")
 
 
+def check_data_limits(data_args: DataArguments, training_args: TrainingArguments) -> None:
+    """A stream has no length to count epochs in, and --max_eval_samples bounds a non-empty evaluation."""
+    if data_args.streaming and training_args.max_steps <= 0:
+        raise UsageError(
+            "--streaming needs --max_steps > 0 (a stream has no length to count epochs in), "
+            f"got {training_args.max_steps}"
+        )
+    if data_args.max_eval_samples is not None and data_args.max_eval_samples < 1:
+        raise UsageError(
+            f"--max_eval_samples must be >= 1 (or left out for all blocks), got {data_args.max_eval_samples}"
+        )
+
+
 def check_world_size(training_args: TrainingArguments) -> None:
     """Refuse a launch whose processes Trainer would not join: each would train its own model into one folder.
 
@@ -355,11 +403,15 @@ def publish_settings(training_args: TrainingArguments) -> Publish | None:
 
 
 def card_settings(card_args: CardArguments, model_args: ModelArguments, data_args: DataArguments) -> dict[str, object]:
-    """The model card's hub metadata (`card_metadata`), checked before any training; the embedded corpus is English."""
-    language = card_args.language or (None if data_args.data_files else ["en"])
+    """The model card's hub metadata (`card_metadata`), checked before any training; the embedded corpus is English,
+    and a --dataset_name that is a hub id is the card's dataset."""
+    embedded = not (data_args.data_files or data_args.dataset_name)
+    language = card_args.language or (["en"] if embedded else None)
+    named = hub_repo_id(data_args.dataset_name)
+    dataset_ids = card_args.dataset_ids or ([named] if named else None)
     return card_metadata(
         model_args.model_name_or_path, card_args.license, card_args.license_name, card_args.license_link, language,
-        card_args.dataset_ids,
+        dataset_ids,
     )  # fmt: skip
 
 
@@ -383,12 +435,12 @@ def resolve_checkpoint(training_args: TrainingArguments) -> str | None:
     return checkpoint
 
 
-def build_tokenizer(model_args: ModelArguments, train_texts: list[str], checkpoint: str | None):
+def build_tokenizer(model_args: ModelArguments, train_split, checkpoint: str | None):
     """The resumed checkpoint's tokenizer, else the one given, else the fine-tuned model's, else a new BPE."""
     source = checkpoint or model_args.tokenizer_name_or_path or model_args.model_name_or_path
     if source is not None:
         return load_tokenizer(source)
-    return train_bpe_tokenizer(train_texts, model_args.tokenizer_vocab_size)
+    return train_bpe_tokenizer(tokenizer_documents(train_split), model_args.tokenizer_vocab_size)
 
 
 def build_model(model_args: ModelArguments, tokenizer, checkpoint: str | None,
@@ -519,10 +571,15 @@ def optimizer_and_callbacks(model_args: ModelArguments, training_args: TrainingA
 
 
 def build_trainer(model, tokenizer, blocks, training_args, optimizer_cls_and_kwargs, callbacks) -> KimiK3Trainer:
+    train_blocks = blocks["train"]
+    if isinstance(train_blocks, datasets.IterableDataset):
+        # Endless, so Trainer never starts a second epoch of an unsized stream: a resume then skips its trained batches
+        # within one deterministic pass and lands where the interrupted run was, however often the stream wrapped.
+        train_blocks = train_blocks.repeat(None)
     return KimiK3Trainer(
         model=model,
         args=training_args,
-        train_dataset=blocks["train"],
+        train_dataset=train_blocks,
         eval_dataset=blocks["validation"],
         processing_class=tokenizer,
         data_collator=default_data_collator,
@@ -561,13 +618,18 @@ def measure_expert_load(model, blocks: datasets.Dataset, batch_size: int) -> dic
 def training_summary(trainer, model_args, data_description, blocks, block_size, eval_metrics, wall_time):
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     args = trainer.args
+    global_batch_size = batch_size(args)["global"]
+    # A stream's size is unknown: count the tokens trained on.
+    train_blocks = len(blocks["train"]) if isinstance(blocks["train"], datasets.Dataset) else (
+        trainer.state.global_step * global_batch_size
+    )
     return TrainingSummary(
         data=data_description,
-        train_tokens=len(blocks["train"]) * block_size,
+        train_tokens=train_blocks * block_size,
         eval_tokens=len(blocks["validation"]) * block_size,
         block_size=block_size,
         steps=trainer.state.global_step,
-        global_batch_size=args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size,
+        global_batch_size=global_batch_size,
         optimizer="Per-Head Muon + AdamW" if model_args.optimizer == "per_head_muon" else f"AdamW ({args.optim})",
         learning_rate=args.learning_rate,
         router_balancing="quantile_balancing" if model_args.quantile_balancing else "none",
@@ -663,8 +725,9 @@ def print_report(summary: TrainingSummary, model_dir: Path) -> None:
 # Entry point
 # ---------------------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    """Run the job. Bad input exits with status 2 and a one-line message, before anything is written; a failed save
-    exits with status 1 and a one-line message, publishing nothing partial."""
+    """Run the job. Bad input exits with status 2 and a one-line message, before anything is written (a bad row deep
+    in a stream: when it is read); a failed save exits with status 1 and a one-line message, publishing nothing
+    partial."""
     start = time.perf_counter()
     datasets.disable_progress_bars()
     lock = None
@@ -672,6 +735,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             model_args, data_args, card_args, training_args = parse_args(argv)
             check_batch_sizes(training_args)
+            check_data_limits(data_args, training_args)
             check_world_size(training_args)
             warn_if_bf16_is_emulated(training_args.bf16, training_args.device)
             qk_clip_tau = parse_qk_clip_tau(model_args.qk_clip_tau)
@@ -683,15 +747,19 @@ def main(argv: list[str] | None = None) -> int:
             set_seed(training_args.seed)  # Trainer seeds only in its constructor, after the model is initialised
 
             splits, data_description = load_corpus(
-                data_args.data_files, data_args.text_column, data_args.validation_split_percentage
+                data_args.data_files, data_args.text_column, data_args.validation_split_percentage,
+                dataset_name=data_args.dataset_name, dataset_config_name=data_args.dataset_config_name,
+                streaming=data_args.streaming,
             )
-            tokenizer = build_tokenizer(model_args, splits["train"]["text"], checkpoint)
+            tokenizer = build_tokenizer(model_args, splits["train"], checkpoint)
             model = build_model(model_args, tokenizer, checkpoint, qk_clip_tau)
             attach_expert_qat(model_args, model)
             check_block_size(data_args.block_size, model.config)
             if checkpoint is not None:
                 check_resumable(model, checkpoint, training_args)
             blocks = tokenize_into_blocks(splits, tokenizer, data_args.block_size)
+            blocks = {"train": blocks["train"], "validation": evaluation_blocks(blocks["validation"],
+                                                                                data_args.max_eval_samples)}
             optimizer_cls_and_kwargs, callbacks = optimizer_and_callbacks(model_args, training_args, model, qk_clip_tau)
             trainer = build_trainer(model, tokenizer, blocks, training_args, optimizer_cls_and_kwargs, callbacks)
         except ValueError as error:
@@ -699,6 +767,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         try:
             return run(trainer, model_args, data_args, blocks, data_description, checkpoint, publish, metadata, start)
+        except DataError as error:  # a stream is checked as it is read
+            print(f"kimi-k3-train: error: {error}", file=sys.stderr)
+            return 2
         except SaveError as error:
             print(f"kimi-k3-train: error: {error}", file=sys.stderr)
             return 1

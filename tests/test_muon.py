@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.distributed import DistributedConfig
 
 import kimi_k3.muon as muon_module
 from kimi_k3.muon import (
@@ -353,6 +354,13 @@ def test_qk_clip_max_reduces_logits_over_ranks(monkeypatch):
     after = query.detach().view(2, 12, -1)
     torch.testing.assert_close(after[0, 8:], before[0, 8:] / 4)  # gamma = tau / 4 from the other rank
     assert torch.equal(after[1], before[1])  # max(0.5, 0.25) <= tau
+
+
+def test_qk_clip_refuses_a_tensor_parallel_model():
+    model = KimiK3ForCausalLM(tiny_config())
+    model.config.distributed_config = DistributedConfig(tp_size=2)
+    with pytest.raises(ValueError, match="tensor-parallel model"):
+        PerHeadMuon.for_model(model, qk_clip_tau=100.0)
 
 
 def _four_layer_config(**overrides):

@@ -23,7 +23,7 @@ from kimi_k3.qat import (
 from kimi_k3.release_format import export_released
 from modeling_kimi_k3 import KimiK3Experts, KimiK3ForCausalLM, situ_and_mul
 from tests.conftest import tiny_config
-from tests.test_train import TINY_MODEL, run_main, tiny_args, write_corpus
+from tests.test_train import TINY_MODEL, run_interrupted, run_main, tiny_args, write_corpus
 
 # Expert input widths that MXFP4 can group (multiples of 32).
 QAT_SHAPES = {"routed_expert_hidden_size": 32, "moe_intermediate_size": 32}
@@ -291,17 +291,7 @@ def test_qat_training_job_resumes_bit_exactly_and_ships_what_it_evaluated(tmp_pa
     status, printed = run_main(qat_run_args(tmp_path / "run", corpus))
     assert status == 0, printed
     assert [(qat.weights, qat.activations, len(qat.experts)) for qat in attached] == [("mxfp4", "none", 8)]
-    training_step = train.KimiK3Trainer.training_step
-
-    def dies_after_checkpoint_2(self, *args, **kwargs):
-        if self.state.global_step == 3:
-            raise KeyboardInterrupt("simulated interruption")
-        return training_step(self, *args, **kwargs)
-
-    monkeypatch.setattr(train.KimiK3Trainer, "training_step", dies_after_checkpoint_2)
-    with pytest.raises(KeyboardInterrupt):
-        run_main(qat_run_args(tmp_path / "resumed", corpus))
-    monkeypatch.setattr(train.KimiK3Trainer, "training_step", training_step)
+    run_interrupted(qat_run_args(tmp_path / "resumed", corpus), global_step=3)
     assert run_main(qat_run_args(tmp_path / "resumed", corpus, "--resume_from_checkpoint", "True"))[0] == 0
     expected = load_file(tmp_path / "run" / "checkpoint-4" / "model.safetensors")
     resumed = load_file(tmp_path / "resumed" / "checkpoint-4" / "model.safetensors")

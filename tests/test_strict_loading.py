@@ -40,6 +40,15 @@ def test_missing_tensors_are_refused_naming_each_one(saved, tmp_path):
     assert f"missing {A_LOG} [2]" in message and "strict=False" in message
 
 
+def test_tied_lm_head_is_stored_once_and_loads(tmp_path):
+    model = KimiK3ForCausalLM(tiny_config(tie_word_embeddings=True))
+    model.save_pretrained(tmp_path)
+    assert LM_HEAD not in load_file(tmp_path / "model.safetensors")
+    loaded = KimiK3ForCausalLM.from_pretrained(tmp_path)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.bool])
 def test_integer_or_boolean_tensors_are_refused_not_cast(saved, tmp_path, dtype):
     folder = edited_copy(saved, tmp_path / "bad", lambda tensors: tensors.__setitem__(NORM, torch.ones(32, dtype=dtype)))

@@ -72,10 +72,14 @@ def write_corpus(folder: Path) -> Path:
     return corpus
 
 
-def tiny_args(output_dir: Path, corpus: Path, *extra: str) -> list[str]:
-    """CLI arguments of an 8-step toy run: eval and a checkpoint every 4 steps, the loss logged every step."""
+def tiny_args(output_dir: Path, corpus: Path | None, *extra: str) -> list[str]:
+    """CLI arguments of an 8-step toy run: eval and a checkpoint every 4 steps, the loss logged every step.
+
+    Without ``corpus`` the data source is left to ``extra`` (the embedded corpus if it names none).
+    """
+    data_files = ["--data_files", str(corpus)] if corpus is not None else []
     return [
-        "--output_dir", str(output_dir), "--data_files", str(corpus), "--config_overrides", json.dumps(TINY_MODEL),
+        "--output_dir", str(output_dir), *data_files, "--config_overrides", json.dumps(TINY_MODEL),
         "--tokenizer_vocab_size", "300", "--block_size", "32", "--per_device_train_batch_size", "4",
         "--per_device_eval_batch_size", "16", "--learning_rate", "1e-2", "--warmup_steps", "0", "--max_steps", "8",
         "--save_steps", "4", "--eval_steps", "4", "--logging_steps", "1", "--disable_tqdm", "True", *extra,
@@ -87,6 +91,22 @@ def run_main(argv: list[str]) -> tuple[int, str]:
     with contextlib.redirect_stdout(stdout):
         status = train.main(argv)
     return status, stdout.getvalue()
+
+
+def run_interrupted(argv: list[str], global_step: int) -> None:
+    """Run the job until it has taken ``global_step`` optimizer steps, then kill it (a KeyboardInterrupt before the
+    next step): what it saved until then stays behind, as after a real kill."""
+    training_step = train.KimiK3Trainer.training_step
+
+    def dies_at_the_step(self, *args, **kwargs):
+        if self.state.global_step == global_step:
+            raise KeyboardInterrupt("simulated interruption")
+        return training_step(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train.KimiK3Trainer, "training_step", dies_at_the_step)
+        with pytest.raises(KeyboardInterrupt):
+            run_main(argv)
 
 
 def sampled_continuation(folder: Path) -> str:
@@ -199,6 +219,23 @@ def test_qk_clip_tau_none_turns_recording_and_clipping_off(trained, tmp_path):
     assert not any("qk_clip/max_logit" in entry for entry in state["log_history"])
 
 
+def test_cli_reentrant_activation_checkpointing_trains_the_same_losses(trained, tmp_path, monkeypatch):
+    uses_reentrant, checkpoint = [], transformers.modeling_utils.checkpoint
+
+    def recording_checkpoint(function, *args, **kwargs):
+        uses_reentrant.append(kwargs["use_reentrant"])
+        return checkpoint(function, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.modeling_utils, "checkpoint", recording_checkpoint)
+    extra = ["--gradient_checkpointing", "True", "--gradient_checkpointing_kwargs", '{"use_reentrant": true}']
+    assert run_main(tiny_args(tmp_path / "run", trained[1], *extra))[0] == 0
+    # Every layer of every training forward (9 layers x 8 steps) ran checkpointed; evaluation runs no backward.
+    assert uses_reentrant == [True] * 9 * 8
+    state = json.loads((tmp_path / "run" / "checkpoint-8" / "trainer_state.json").read_text())
+    losses = [entry["loss"] for entry in state["log_history"] if "loss" in entry]
+    assert losses == [entry["loss"] for entry in trained[3] if "loss" in entry]
+
+
 def test_saved_folder_generates_in_fresh_process_through_auto_classes(trained, tmp_path):
     model_dir = trained[0] / "model"
     assert {"configuration_kimi_k3.py", "modeling_kimi_k3.py", "tokenizer.json", "README.md"} <= {
@@ -308,29 +345,23 @@ def test_run_without_matplotlib_or_network_says_so_once_and_keeps_the_model(trai
     assert error.endswith(f"`python scripts/push_to_hub.py {tmp_path / 'run' / 'model'} --repo_id someone/tiny`")
 
 
-def test_card_language_defaults_to_english_for_the_embedded_corpus_only():
+def test_card_language_defaults_to_english_for_the_embedded_corpus_only(tmp_path):
     card_args, model_args = train.CardArguments(), train.ModelArguments()
     assert train.card_settings(card_args, model_args, train.DataArguments()) == {"language": ["en"]}
     assert train.card_settings(card_args, model_args, train.DataArguments(data_files=["a.txt"])) == {}
+    # A dataset by hub id is the card's dataset; a local dataset folder is not.
+    named = train.DataArguments(dataset_name="someone/corpus")
+    assert train.card_settings(card_args, model_args, named) == {"datasets": ["someone/corpus"]}
+    assert train.card_settings(card_args, model_args, train.DataArguments(dataset_name=str(tmp_path))) == {}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Resume and atomic saving
 # ---------------------------------------------------------------------------------------------------------------------
-def test_resume_after_interruption_matches_uninterrupted_run_bit_exactly(trained, tmp_path, monkeypatch):
+def test_resume_after_interruption_matches_uninterrupted_run_bit_exactly(trained, tmp_path):
     uninterrupted, corpus, _, _ = trained
-    training_step = train.KimiK3Trainer.training_step
-
-    def dies_after_checkpoint_4(self, *args, **kwargs):
-        if self.state.global_step == 5:
-            raise KeyboardInterrupt("simulated interruption")
-        return training_step(self, *args, **kwargs)
-
-    monkeypatch.setattr(train.KimiK3Trainer, "training_step", dies_after_checkpoint_4)
-    with pytest.raises(KeyboardInterrupt):
-        run_main(tiny_args(tmp_path / "run", corpus))
+    run_interrupted(tiny_args(tmp_path / "run", corpus), global_step=5)
     assert sorted(path.name for path in (tmp_path / "run").iterdir()) == ["checkpoint-4"]
-    monkeypatch.setattr(train.KimiK3Trainer, "training_step", training_step)
 
     assert run_main(tiny_args(tmp_path / "run", corpus, "--resume_from_checkpoint", "True"))[0] == 0
     expected, resumed = weights(uninterrupted / "model"), weights(tmp_path / "run" / "model")

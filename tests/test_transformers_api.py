@@ -99,6 +99,7 @@ BORROWED_API = [
             "_keys_to_ignore_on_load_unexpected": "released folders also hold vision-tower and projector tensors",
             "_can_record_outputs": "router logits and hidden states through output capturing",
             "_tied_weights_keys": "tie_word_embeddings ties lm_head to the input embedding",
+            "_tp_plan": "tensor parallelism splits lm_head by vocabulary (the rest of the plan is the config's)",
         }.items()
     ],
     BorrowedApi(
