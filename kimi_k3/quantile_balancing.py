@@ -360,6 +360,14 @@ class QuantileBalancingCallback(TrainerCallback):
                 self._recorders[id(router)] = RouterStatistics(router, padding, self.estimator, self.num_bins)
         return {name: self._recorders[id(router)] for name, router in routers.items()}
 
+    def detach(self) -> None:
+        """Remove the hooks this callback attached (``on_train_end`` does), so that a model trained again records
+        only for the callback of that run; ``statistics`` or ``update`` attach them again."""
+        for recorder in (*self._recorders.values(), *self._padding.values()):
+            recorder.remove()
+        self._recorders.clear()
+        self._padding.clear()
+
     def attach(self, trainer) -> "QuantileBalancingCallback":
         """Register right after DefaultFlowCallback, before the ``report_to`` integrations (hf-integration.md §3.3).
 
@@ -418,6 +426,9 @@ class QuantileBalancingCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         self.latest_metrics = self.update(model)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.detach()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         # Only the training-loss log of a step; eval and end-of-training summaries have other keys.

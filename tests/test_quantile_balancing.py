@@ -481,6 +481,16 @@ def test_sign_and_none_rules_are_baselines_and_disabled_does_nothing(model):
         assert callback.statistics(model)["layer_1"].tokens_per_expert.sum() == 0
 
 
+def test_a_detached_callback_records_nothing_until_it_attaches_again(model):
+    first = QuantileBalancingCallback(model)
+    first.detach()  # what the end of a Trainer run does
+    second = QuantileBalancingCallback(model)
+    train_forward(model, batch_ids())
+    router = find_routers(model)["layer_1"]
+    assert second.statistics(model)["layer_1"].tokens_per_expert.sum() == 2 * 16 * router.top_k
+    assert first.statistics(model)["layer_1"].tokens_per_expert.sum() == 0  # attached again, from now on
+
+
 def test_one_all_reduce_per_step_even_for_an_empty_step(model, tmp_path, monkeypatch):
     calls = []
     real_all_reduce = dist.all_reduce
