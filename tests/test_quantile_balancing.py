@@ -19,6 +19,7 @@ from kimi_k3.quantile_balancing import (
     histogram_range,
     required_bias,
     required_bias_histogram,
+    required_bias_of_routes,
     sign_update,
     solve_bias_exact,
     solve_bias_from_histogram,
@@ -431,6 +432,17 @@ def test_padding_is_routed_but_not_counted(model):
     assert routed == [32]
     assert (statistics.histogram.sum(-1) == 26).all()
     assert statistics.tokens_per_expert.sum() == 26 * router.top_k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cutoff_from_the_routes_equals_the_top_k_plus_one_reference(dtype):
+    """The hook reads α as the best biased score outside the router's top-k: bitwise the (k+1)-th of a top-(k+1),
+    whatever order the routes come in."""
+    generator = torch.Generator().manual_seed(0)
+    scores, bias = torch.rand(257, 31, generator=generator, dtype=dtype), 0.05 * torch.randn(31, dtype=dtype)
+    routes, expected = required_bias(scores, bias, 5)
+    shuffled = routes.gather(1, torch.rand(routes.shape, generator=generator).argsort(-1))
+    assert torch.equal(required_bias_of_routes(scores, bias, shuffled), expected)
 
 
 def test_padding_rows_are_dropped_without_boolean_indexing():
