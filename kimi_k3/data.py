@@ -114,11 +114,14 @@ def load_corpus(
         configuration = f" --dataset_config_name {dataset_config_name}" if dataset_config_name else ""
         source = f"--dataset_name {dataset_name}{configuration}"
         corpus = load_named_dataset(dataset_name, dataset_config_name, streaming, source)
-        description = f"dataset {dataset_name}" + (f" ({dataset_config_name})" if dataset_config_name else "")
+        # A local folder is named by its last component only: the description is published in the model card.
+        shown = Path(dataset_name).name if Path(dataset_name).exists() else dataset_name
+        description = f"dataset {shown}" + (f" ({dataset_config_name})" if dataset_config_name else "")
     elif data_files:
         paths = expand_data_files(data_files)
         source = f"--data_files {', '.join(paths)}"
-        corpus, description = load_local_corpus(paths, streaming, source), f"local files: {', '.join(paths)}"
+        corpus = load_local_corpus(paths, streaming, source)
+        description = f"local files: {', '.join(Path(path).name for path in paths)}"
     else:
         source, description = "the embedded corpus", embedded_corpus_description()
         corpus = embedded_corpus()

@@ -10,7 +10,8 @@ touched in the process that trains.
 import io
 
 import torch
-from transformers import TrainerCallback
+
+from .resumable import ResumableCallback
 
 PNG_NAME = "expert_load.png"
 PLOT_EXTRA = "pip install 'kimi-k3[plot]'"
@@ -18,16 +19,20 @@ PLOT_EXTRA = "pip install 'kimi-k3[plot]'"
 MAX_VIO_SERIES = {"worst layer": "balance/max_vio", "mean over layers": "balance/max_vio_mean"}
 
 
-class ExpertLoadRecorder(TrainerCallback):
-    """Keeps the per-expert token counts of the first and the last optimizer step of the job, read from ``balancing``.
+Snapshot = tuple[int, dict[str, torch.Tensor]]
 
-    Register it after the balancing callback, whose ``on_step_end`` produces the counts of the step.
+
+class ExpertLoadRecorder(ResumableCallback):
+    """Keeps the per-expert token counts of the first and the last optimizer step of the run, read from ``balancing``.
+
+    Register it after the balancing callback, whose ``on_step_end`` produces the counts of the step. Both snapshots
+    are saved with every checkpoint, so a resumed run still shows the run's first step.
     """
 
     def __init__(self, balancing):
         self.balancing = balancing
-        self.first: tuple[int, dict[str, torch.Tensor]] | None = None
-        self.last: tuple[int, dict[str, torch.Tensor]] | None = None
+        self.first: Snapshot | None = None
+        self.last: Snapshot | None = None
 
     def on_step_end(self, args, state, control, **kwargs):
         if not self.balancing.latest_loads:
@@ -37,11 +42,32 @@ class ExpertLoadRecorder(TrainerCallback):
             self.first = snapshot
         self.last = snapshot
 
-    def snapshots(self) -> list[tuple[int, dict[str, torch.Tensor]]]:
+    def attributes(self) -> dict:
+        return {"first": snapshot_to_json(self.first), "last": snapshot_to_json(self.last)}
+
+    def restore(self, attributes: dict, step: int) -> None:
+        self.first = snapshot_from_json(attributes.get("first"))
+        self.last = snapshot_from_json(attributes.get("last"))
+
+    def snapshots(self) -> list[Snapshot]:
         """(step, counts per layer) at the first and the last step; one entry after a one-step job, none before."""
         if self.first is None:
             return []
         return [self.first] if self.first[0] == self.last[0] else [self.first, self.last]
+
+
+def snapshot_to_json(snapshot: Snapshot | None) -> list | None:
+    if snapshot is None:
+        return None
+    step, loads = snapshot
+    return [step, {name: load.tolist() for name, load in loads.items()}]
+
+
+def snapshot_from_json(saved: list | None) -> Snapshot | None:
+    if saved is None:
+        return None
+    step, loads = saved
+    return step, {name: torch.tensor(load) for name, load in loads.items()}
 
 
 def token_share(loads: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -83,7 +109,7 @@ def plot_max_vio(axis, runs: dict[str, list[tuple[int, float]]]) -> None:
         axis.legend()
 
 
-def expert_load_png(snapshots: list[tuple[int, dict[str, torch.Tensor]]], log_history: list[dict], title: str) -> bytes:
+def expert_load_png(snapshots: list[Snapshot], log_history: list[dict], title: str) -> bytes:
     """The picture as PNG bytes: a heatmap of `token_share` per snapshot, then MaxVio over the logged steps.
 
     One diverging scale for all heatmaps, centred on the balanced share: blue experts get fewer tokens than their

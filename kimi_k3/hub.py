@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
-from huggingface_hub import HfApi, ModelCard, get_session, get_token
+from huggingface_hub import HfApi, ModelCard, constants, get_session, get_token
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
 from .model_card import is_our_card, metadata_problems
@@ -38,6 +38,15 @@ TRAINING_FLAGS = HubFlags(token="--hub_token", repo_id="--hub_model_id", timeout
 
 class HubError(ValueError):
     """A push that cannot succeed or did not: no token, an incomplete folder, the hub unreachable or refusing."""
+
+
+OFFLINE_MESSAGE = "cannot push while HF_HUB_OFFLINE is set: unset it (or set HF_HUB_OFFLINE=0) and rerun"
+
+
+def check_online() -> None:
+    """Offline mode refuses every push whatever the token, so it is named first."""
+    if constants.HF_HUB_OFFLINE:
+        raise HubError(OFFLINE_MESSAGE)
 
 
 def resolve_token(token: str | None = None, flags: HubFlags = PUSH_SCRIPT_FLAGS) -> str:
@@ -117,7 +126,7 @@ def failures_explained(api: HfApi, repo_id: str, timeout: float | None, flags: H
     try:
         yield
     except OfflineModeIsEnabled:
-        raise HubError("cannot push while HF_HUB_OFFLINE is set: unset it (or set HF_HUB_OFFLINE=0) and rerun") from None
+        raise HubError(OFFLINE_MESSAGE) from None
     except HfHubHTTPError as error:
         raise HubError(http_failure(error, repo_id, flags)) from None
     except Exception as error:

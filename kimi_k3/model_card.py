@@ -11,12 +11,13 @@ link), ``base_model`` and ``datasets`` as hub ids only, ISO 639 language codes. 
 
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from importlib.resources import files
 from importlib.resources.abc import Traversable
 from pathlib import Path
 
 import torch
+import jinja2
 from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
@@ -26,6 +27,9 @@ from modeling_kimi_k3 import KimiK3ForCausalLM
 
 # Package data, so the template ships in the wheel and is found in any install, not only in a source checkout.
 TEMPLATE_PATH = files("kimi_k3") / "templates" / "model_card.md"
+# The card's last section, rendered on its own so that a published card can name its hub repository.
+USAGE_TEMPLATE_PATH = files("kimi_k3") / "templates" / "model_card_usage.md"
+USAGE_HEADING = "\n## Usage\n"
 TAGS = ["custom_code", "kimi_k3", "moe", "text-generation"]
 # Columns of the per-layer load-balance table: metric key of balance_metrics.load_balance_metrics -> header.
 BALANCE_COLUMNS = {
@@ -68,6 +72,11 @@ class TrainingSummary:
     eval_perplexity: float
     wall_time_s: float
     base_model: str | None = None
+    # Optimizer steps at which the run was resumed, one per job after the first.
+    resumed_at: list[int] = field(default_factory=list)
+    qat: str = "none"
+    weights_on_disk: str = "this project's layout"
+    qk_clip: str = "off"
 
 
 def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
@@ -179,6 +188,12 @@ def inherited_license(base_model: str | None) -> dict[str, str]:
     return {}
 
 
+def public_name(source: str) -> str:
+    """How a card names a model or data source: a hub id as it is, a local path by its last component only (the
+    card must not publish the layout of the trainer's disk)."""
+    return source if hub_repo_id(source) else Path(source).name
+
+
 def hub_repo_id(name: str | None) -> str | None:
     """``name`` when it names a hub repository; None for a local folder, which wins when both could be meant."""
     if name is None or Path(name).exists() or not is_repo_id(name):
@@ -239,11 +254,13 @@ def render_model_card(
     metadata: dict[str, object] | None = None,
     expert_load_image: str | None = None,
     template_path: str | os.PathLike | Traversable = TEMPLATE_PATH,
+    local_folder: str | None = None,
 ) -> ModelCard:
     """The card of ``model`` published as ``name``; training sections are omitted when ``summary`` is None.
 
     ``metadata`` are the hub fields of :func:`card_metadata`; ``expert_load_image`` is the path, relative to the
-    card, of the expert-load picture to embed (relative, so that it renders on the hub as well as locally).
+    card, of the expert-load picture to embed (relative, so that it renders on the hub as well as locally). The
+    usage snippet loads ``name`` from the hub, or ``local_folder`` (the saved folder's path) when one is given.
     The template is read here rather than by ``ModelCard.from_template`` because package data need not be a file on
     disk (e.g. a zipped install).
     """
@@ -253,6 +270,9 @@ def render_model_card(
     card_data = ModelCardData(
         library_name="transformers", pipeline_tag="text-generation", tags=TAGS, model_name=name, **metadata
     )
+    summary = asdict(summary) if summary else None
+    if summary and summary["base_model"]:
+        summary["base_model"] = public_name(summary["base_model"])
     balance_rows = [
         {"layer": layer, **{key: metrics[key] for key in BALANCE_COLUMNS}}
         for layer, metrics in (layer_balance or {}).items()
@@ -265,11 +285,32 @@ def render_model_card(
         config=model.config,
         architecture=architecture_summary(model.config),
         params=parameter_counts(model),
-        summary=asdict(summary) if summary else None,
+        summary=summary,
         balance_columns=BALANCE_COLUMNS,
         balance_rows=balance_rows,
         expert_load_image=expert_load_image,
+        usage=usage_section(local_folder or name, local=local_folder is not None),
     )
+
+
+def usage_section(load_from: str, local: bool = False) -> str:
+    """The card's closing ``## Usage`` section, loading ``load_from`` (a hub id, or with ``local`` a folder path)."""
+    template = jinja2.Template(USAGE_TEMPLATE_PATH.read_text(encoding="utf-8"), keep_trailing_newline=True)
+    return template.render(load_from=load_from, local=local)
+
+
+def name_card_for_repo(readme: Path, repo_id: str) -> None:
+    """Make the card ``readme`` describe ``repo_id``: its model_name, title and usage snippet; the rest is kept."""
+    card = ModelCard.load(readme)
+    body, heading, _ = card.text.partition(USAGE_HEADING)
+    if not heading:
+        raise ValueError(f"{readme} has no '## Usage' section to point at {repo_id}")
+    title = re.compile(r"^# .*$", re.MULTILINE)
+    if not title.search(body):
+        raise ValueError(f"{readme} has no '# ' title to name {repo_id}")
+    card.data.model_name = repo_id
+    card.text = title.sub(lambda _: f"# {repo_id}", body, count=1) + "\n" + usage_section(repo_id)
+    card.save(readme)
 
 
 def card_for_folder(folder: Path, name: str, metadata: dict[str, object] | None = None) -> ModelCard:

@@ -47,6 +47,7 @@ from .precision import PRECISION_CHOICES, warn_if_bf16_is_emulated
 from .qat import ACTIVATION_FORMATS, WEIGHT_FORMATS, attach_qat, check_mxfp4_widths, find_routed_experts
 from .qk_clip import QKClipCallback, check_tau
 from .quantile_balancing import QuantileBalancingCallback, find_routers
+from .resumable import ResumableCallback, TrainingClock
 from .release_format import checkpoint_shard_files, export_released
 from .tokenizer import check_tokenizer_fits, load_tokenizer, train_bpe_tokenizer
 
@@ -615,7 +616,9 @@ def measure_expert_load(model, blocks: datasets.Dataset, batch_size: int) -> dic
     return {name: load_balance_metrics(loads[name], router.e_score_correction_bias) for name, router in routers.items()}
 
 
-def training_summary(trainer, model_args, data_description, blocks, block_size, eval_metrics, wall_time):
+def training_summary(trainer, model_args, data_description, blocks, block_size, eval_metrics):
+    """What the card reports; wall time and resumes come from the `TrainingClock`, which spans every job of the run."""
+    clock = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, TrainingClock))
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     args = trainer.args
     global_batch_size = batch_size(args)["global"]
@@ -637,9 +640,38 @@ def training_summary(trainer, model_args, data_description, blocks, block_size, 
         last_loss=losses[-1] if losses else math.nan,
         eval_loss=eval_metrics["eval_loss"],
         eval_perplexity=eval_metrics["eval_perplexity"],
-        wall_time_s=wall_time,
+        wall_time_s=clock.seconds(),
         base_model=model_args.model_name_or_path,
+        resumed_at=clock.resumed_at,
+        qat=describe_qat(model_args),
+        weights_on_disk=describe_weights_on_disk(model_args, trainer.model),
+        qk_clip=describe_qk_clip(model_args),
     )
+
+
+def describe_qat(model_args: ModelArguments) -> str:
+    if model_args.qat is None:
+        return "none"
+    activations = "full precision" if model_args.qat_activations == "none" else model_args.qat_activations.upper()
+    return f"{model_args.qat.upper()} routed experts (activations: {activations})"
+
+
+def describe_weights_on_disk(model_args: ModelArguments, model) -> str:
+    if model_args.final_layout == "released":
+        return "released layout, MXFP4 routed experts"
+    return f"this project's layout, {str(model.dtype).removeprefix('torch.')}"
+
+
+def describe_qk_clip(model_args: ModelArguments) -> str:
+    tau = parse_qk_clip_tau(model_args.qk_clip_tau)
+    return "off" if tau is None else f"tau = {tau:g}"
+
+
+def local_folder_name(model_dir: Path) -> str:
+    """How the card's usage snippet names the saved folder: relative to the working directory the job ran in, or,
+    for a folder outside it, a placeholder the card explains (an absolute path would publish the disk's layout)."""
+    relative = Path(os.path.relpath(model_dir.resolve(), Path.cwd().resolve()))
+    return "path/to/model" if relative.parts[:1] == ("..",) else relative.as_posix()
 
 
 def save_final_model(model, tokenizer, card, target: Path, tag: str | None = None, layout: str = "ours",
@@ -761,12 +793,13 @@ def main(argv: list[str] | None = None) -> int:
             blocks = {"train": blocks["train"], "validation": evaluation_blocks(blocks["validation"],
                                                                                 data_args.max_eval_samples)}
             optimizer_cls_and_kwargs, callbacks = optimizer_and_callbacks(model_args, training_args, model, qk_clip_tau)
+            callbacks.append(TrainingClock(start))
             trainer = build_trainer(model, tokenizer, blocks, training_args, optimizer_cls_and_kwargs, callbacks)
         except ValueError as error:
             print(f"kimi-k3-train: error: {error}", file=sys.stderr)
             return 2
         try:
-            return run(trainer, model_args, data_args, blocks, data_description, checkpoint, publish, metadata, start)
+            return run(trainer, model_args, data_args, blocks, data_description, checkpoint, publish, metadata)
         except DataError as error:  # a stream is checked as it is read
             print(f"kimi-k3-train: error: {error}", file=sys.stderr)
             return 2
@@ -778,7 +811,7 @@ def main(argv: list[str] | None = None) -> int:
             lock.release()
 
 
-def run(trainer, model_args, data_args, blocks, data_description, checkpoint, publish, metadata, start) -> int:
+def run(trainer, model_args, data_args, blocks, data_description, checkpoint, publish, metadata) -> int:
     """Train (or, when the checkpoint already ends the run, only load it), evaluate, then save the final model."""
     training_args = trainer.args
     model_dir = Path(training_args.output_dir) / FINAL_MODEL_DIR
@@ -791,18 +824,20 @@ def run(trainer, model_args, data_args, blocks, data_description, checkpoint, pu
     else:  # killed while saving the final model: finish from the last checkpoint without training a step
         trainer._load_from_checkpoint(checkpoint)
         trainer.state = TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json"))
+        for callback in trainer.callback_handler.callbacks:
+            if isinstance(callback, ResumableCallback):
+                callback.resume_from(trainer.state)
     eval_metrics = trainer.evaluate()
     if not trainer.is_world_process_zero():
         return 0
 
     layer_balance = measure_expert_load(trainer.model, blocks["validation"], training_args.per_device_eval_batch_size)
-    summary = training_summary(
-        trainer, model_args, data_description, blocks, data_args.block_size, eval_metrics, time.perf_counter() - start
-    )
+    summary = training_summary(trainer, model_args, data_description, blocks, data_args.block_size, eval_metrics)
     name = publish.repo_id if publish else Path(training_args.output_dir).name
     picture = expert_load_picture(trainer, name)
     card = render_model_card(trainer.model, name, summary, layer_balance, metadata,
-                             expert_load.PNG_NAME if picture else None)
+                             expert_load.PNG_NAME if picture else None,
+                             local_folder=None if publish else local_folder_name(model_dir))
     model_dir = save_final_model(
         trainer.model, trainer.processing_class, card, model_dir, trainer.staging_tag, model_args.final_layout,
         {expert_load.PNG_NAME: picture} if picture else None,

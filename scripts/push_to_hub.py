@@ -7,8 +7,8 @@
 
 Uploads code, config, weights, tokenizer and the card's picture with HfApi.create_repo + upload_folder, never Trainer
 state (optimizer, scheduler, RNG). A folder without a README.md (e.g. checkpoint-N) first gets our card, with the
-architecture and parameter counts; --license sets the card's license either way. The token comes from --token,
-HF_TOKEN or `hf auth login`. A failure (no token, a rejected token, no connection) ends with one line naming the cause
+architecture and parameter counts; our card is published under --repo_id (its name, title and usage snippet), and
+--license sets its license either way. The token comes from --token, HF_TOKEN or `hf auth login`. A failure (no token, a rejected token, no connection) ends with one line naming the cause
 and the fix, exit status 2.
 """
 
@@ -19,7 +19,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout without installing
 
 from kimi_k3 import hub  # noqa: E402
-from kimi_k3.model_card import card_for_folder, is_our_card, license_metadata, set_license  # noqa: E402
+from kimi_k3.model_card import (  # noqa: E402
+    card_for_folder,
+    is_our_card,
+    license_metadata,
+    name_card_for_repo,
+    set_license,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,15 +53,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         license_fields = license_metadata(args.license, args.license_name, args.license_link)
+        hub.check_online()
         api = hub.HfApi(token=hub.resolve_token(args.token))
         hub.check_model_files(args.folder)
         readme = args.folder / "README.md"
         if not readme.exists():
             card_for_folder(args.folder, args.repo_id, license_fields).save(readme)
             print(f"wrote a model card to {readme}")
-        elif license_fields and is_our_card(readme):
-            set_license(readme, license_fields)
-            print(f"set the license of {readme} to {license_fields['license']}")
+        elif is_our_card(readme):
+            name_card_for_repo(readme, args.repo_id)
+            if license_fields:
+                set_license(readme, license_fields)
+                print(f"set the license of {readme} to {license_fields['license']}")
         pushed = hub.push_folder(
             args.folder, args.repo_id, api, private=args.private, commit_message=args.commit_message,
             revision=args.revision, create_pr=args.create_pr, timeout=args.timeout,

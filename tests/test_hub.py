@@ -111,6 +111,7 @@ def fake_hub(tmp_path, monkeypatch) -> FakeHfApi:
     api = FakeHfApi(tmp_path / "hub")
     monkeypatch.setattr(hub, "HfApi", lambda token: api)
     monkeypatch.setenv("HF_TOKEN", "hf_test_token")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # conftest sets HF_HUB_OFFLINE=1
     return api
 
 
@@ -177,7 +178,9 @@ def test_push_refuses_unpublishable_folder_before_creating_the_repo(pushed, fake
     assert fake_hub.calls == []
 
 
-def test_push_script_without_token_exits_nonzero_and_writes_nothing(pushed, tmp_path, monkeypatch, capsys):
+def test_push_script_without_token_exits_nonzero_naming_offline_mode_first_and_writes_nothing(
+    pushed, tmp_path, monkeypatch, capsys
+):
     for variable in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE"):
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
@@ -185,10 +188,32 @@ def test_push_script_without_token_exits_nonzero_and_writes_nothing(pushed, tmp_
     shutil.copytree(pushed[0] / "checkpoint-2", checkpoint)
     before = sorted(path.name for path in checkpoint.iterdir())
 
+    # No token would help while offline mode refuses every push, so that comes first.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert push_script_main()([str(checkpoint), "--repo_id", REPO_ID]) == 2
+    error = capsys.readouterr().err
+    assert error == "push_to_hub: error: cannot push while HF_HUB_OFFLINE is set: unset it (or set HF_HUB_OFFLINE=0) and rerun\n"
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     assert push_script_main()([str(checkpoint), "--repo_id", REPO_ID]) == 2
     error = capsys.readouterr().err
     assert "needs a token: pass --token, set HF_TOKEN" in error and "--hub_token" not in error
     assert sorted(path.name for path in checkpoint.iterdir()) == before
+
+
+def test_push_script_publishes_the_card_under_the_repo_id_it_pushes_to(fake_hub, tmp_path):
+    """A folder trained without --hub_model_id: its card named the output folder and loaded the local path."""
+    args = tiny_args(tmp_path / "run", write_corpus(tmp_path), "--max_steps", "2", "--save_steps", "2")
+    assert run_main([*args, "--eval_strategy", "no"])[0] == 0
+    local = ModelCard.load(tmp_path / "run" / "model" / "README.md")
+    assert local.data.model_name == "run" and 'from_pretrained("path/to/model"' in local.text
+
+    assert push_script_main()([str(tmp_path / "run" / "model"), "--repo_id", "someone/renamed"]) == 0
+    card = ModelCard.load(fake_hub.root / "someone" / "renamed" / "README.md")
+    assert card.data.model_name == "someone/renamed" and "\n# someone/renamed\n" in card.text
+    assert card.text.count('from_pretrained("someone/renamed", trust_remote_code=True)') == 2
+    assert "path/to/model" not in card.text and "# run" not in card.text
+    assert "## Expert load balance" in card.text and "| optimizer steps | 2 at 4 sequences per step |" in card.text
 
 
 def test_push_script_commits_to_a_new_branch_or_opens_a_pull_request(pushed, fake_hub, capsys):

@@ -2,6 +2,9 @@
 classes and round-trips through ``ModelCardData``; licenses, base models, datasets and languages take only the values
 the hub accepts; a local base folder stays out of the metadata."""
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 import torch
 import yaml
@@ -13,18 +16,25 @@ from kimi_k3.model_card import (
     TrainingSummary,
     card_metadata,
     metadata_problems,
+    name_card_for_repo,
     render_model_card,
 )
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from tests.conftest import tiny_config
 
 
-def summary(base_model: str | None = None) -> TrainingSummary:
-    return TrainingSummary(
-        data="local files: corpus.txt", train_tokens=1024, eval_tokens=128, block_size=32, steps=2, global_batch_size=4,
-        optimizer="AdamW", learning_rate=1e-2, router_balancing="quantile_balancing", first_loss=5.0, last_loss=4.0,
-        eval_loss=4.0, eval_perplexity=54.6, wall_time_s=1.0, base_model=base_model,
-    )  # fmt: skip
+def summary(base_model: str | None = None, **fields) -> TrainingSummary:
+    return TrainingSummary(**{
+        "data": "local files: corpus.txt", "train_tokens": 1024, "eval_tokens": 128, "block_size": 32, "steps": 2,
+        "global_batch_size": 4, "optimizer": "AdamW", "learning_rate": 1e-2, "router_balancing": "quantile_balancing",
+        "first_loss": 5.0, "last_loss": 4.0, "eval_loss": 4.0, "eval_perplexity": 54.6, "wall_time_s": 1.0,
+        "base_model": base_model, **fields,
+    })  # fmt: skip
+
+
+def tiny_model() -> KimiK3ForCausalLM:
+    with torch.device("meta"):
+        return KimiK3ForCausalLM(tiny_config())
 
 
 def rendered_metadata(metadata: dict, base_model: str | None = None) -> tuple[dict, str]:
@@ -79,10 +89,52 @@ def test_card_metadata_is_valid_for_the_hub_and_round_trips_through_model_card_d
     assert metadata_problems(header) == []
 
 
-def test_local_base_folder_appears_in_the_prose_only(local_base):
+def test_local_base_folder_appears_in_the_prose_only_by_its_last_path_component(local_base):
     header, text = rendered_metadata(card_metadata(local_base), base_model=local_base)
     assert "base_model" not in header and local_base not in yaml.safe_dump(header)
-    assert f"| fine-tuned from | {local_base} |" in text
+    assert f"| fine-tuned from | {Path(local_base).name} |" in text and local_base not in text
+
+
+def test_hub_base_model_is_named_by_its_full_id():
+    _, text = rendered_metadata(card_metadata(K3_RELEASE), base_model=K3_RELEASE)
+    assert f"| fine-tuned from | {K3_RELEASE} |" in text
+
+
+def test_card_states_qk_clip_qat_and_the_layout_of_the_weights_on_disk():
+    plain = str(render_model_card(tiny_model(), "someone/tiny", summary()))
+    assert "| QK-Clip | off |" in plain and "| quantization-aware training | none |" in plain
+    assert "| weights on disk | this project's layout |" in plain
+    qat = dataclasses.replace(
+        summary(), qk_clip="tau = 100", qat="MXFP4 routed experts (activations: MXFP8)",
+        weights_on_disk="released layout, MXFP4 routed experts",
+    )  # fmt: skip
+    text = str(render_model_card(tiny_model(), "someone/tiny", qat))
+    assert "| QK-Clip | tau = 100 |" in text
+    assert "| quantization-aware training | MXFP4 routed experts (activations: MXFP8) |" in text
+    assert "| weights on disk | released layout, MXFP4 routed experts |" in text
+
+
+def test_card_wall_time_counts_every_job_of_a_resumed_run():
+    assert "| wall time | 137 s |" in str(render_model_card(tiny_model(), "t", summary(wall_time_s=137.2)))
+    resumed = summary(wall_time_s=137.2, resumed_at=[31])
+    assert "| wall time | 137 s, over 2 jobs (resumed at step 31) |" in str(render_model_card(tiny_model(), "t", resumed))
+
+
+def test_usage_snippet_loads_the_hub_id_or_the_local_folder_and_renaming_points_it_at_the_repo(tmp_path):
+    hub_card = str(render_model_card(tiny_model(), "someone/tiny", summary()))
+    assert 'from_pretrained("someone/tiny", trust_remote_code=True)' in hub_card and "relative to" not in hub_card
+
+    local = render_model_card(tiny_model(), "run", summary(), local_folder="outputs/run/model")
+    assert 'AutoModelForCausalLM.from_pretrained("outputs/run/model", trust_remote_code=True)' in str(local)
+    assert 'from_pretrained("run"' not in str(local) and "relative to where the job ran" in str(local)
+    local.save(tmp_path / "README.md")
+    name_card_for_repo(tmp_path / "README.md", "someone/renamed")
+    renamed = ModelCard.load(tmp_path / "README.md")
+    assert renamed.data.model_name == "someone/renamed" and "\n# someone/renamed\n" in renamed.text
+    assert renamed.text.count('from_pretrained("someone/renamed", trust_remote_code=True)') == 2
+    assert "outputs/run/model" not in renamed.text and "relative to" not in renamed.text
+    assert "| first training loss | 5.000 |" in renamed.text  # the rest of the card is kept
+    assert renamed.text == ModelCard(str(render_model_card(tiny_model(), "someone/renamed", summary()))).text
 
 
 HUB_REJECTS = {

@@ -291,6 +291,9 @@ def test_qat_training_job_resumes_bit_exactly_and_ships_what_it_evaluated(tmp_pa
     status, printed = run_main(qat_run_args(tmp_path / "run", corpus))
     assert status == 0, printed
     assert [(qat.weights, qat.activations, len(qat.experts)) for qat in attached] == [("mxfp4", "none", 8)]
+    card = (tmp_path / "run" / "model" / "README.md").read_text()
+    assert "| quantization-aware training | MXFP4 routed experts (activations: full precision) |" in card
+    assert "| weights on disk | released layout, MXFP4 routed experts |" in card and "| QK-Clip | tau = 100 |" in card
     run_interrupted(qat_run_args(tmp_path / "resumed", corpus), global_step=3)
     assert run_main(qat_run_args(tmp_path / "resumed", corpus, "--resume_from_checkpoint", "True"))[0] == 0
     expected = load_file(tmp_path / "run" / "checkpoint-4" / "model.safetensors")

@@ -7,6 +7,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -293,6 +294,20 @@ def test_model_card_states_metadata_parameter_counts_and_results(trained):
     final_eval = [entry for entry in history if "eval_loss" in entry][-1]
     assert f"| final eval loss | {final_eval['eval_loss']:.3f} |" in card.text
     assert card.text.count("| layer_") == 8
+    assert "| QK-Clip | tau = 100 |" in card.text and "| quantization-aware training | none |" in card.text
+    assert "| weights on disk | this project's layout, float32 |" in card.text
+
+
+def test_model_card_shows_no_local_path_and_a_usage_snippet_that_loads(trained, tmp_path, monkeypatch):
+    """The run folder lies outside the working directory here: the snippet names a placeholder the card explains."""
+    run = trained[0]
+    text = (run / "model" / "README.md").read_text()
+    assert str(run.parent) not in text and "| data | local files: corpus.txt |" in text
+    assert 'from_pretrained("path/to/model", trust_remote_code=True)' in text and 'from_pretrained("run"' not in text
+    monkeypatch.chdir(tmp_path)
+    assert train.local_folder_name(tmp_path / "outputs" / "run" / "model") == "outputs/run/model"
+    assert train.local_folder_name(Path("outputs/run/model")) == "outputs/run/model"
+    assert train.local_folder_name(run / "model") == "path/to/model"
 
 
 @pytest.mark.skipif(not matplotlib_available(), reason="matplotlib (the [plot] extra) is not installed")
@@ -358,10 +373,11 @@ def test_card_language_defaults_to_english_for_the_embedded_corpus_only(tmp_path
 # ---------------------------------------------------------------------------------------------------------------------
 # Resume and atomic saving
 # ---------------------------------------------------------------------------------------------------------------------
-def test_resume_after_interruption_matches_uninterrupted_run_bit_exactly(trained, tmp_path):
+def test_resume_after_interruption_matches_uninterrupted_run_bit_exactly_and_its_card_spans_both_jobs(trained, tmp_path):
     uninterrupted, corpus, _, _ = trained
     run_interrupted(tiny_args(tmp_path / "run", corpus), global_step=5)
     assert sorted(path.name for path in (tmp_path / "run").iterdir()) == ["checkpoint-4"]
+    first_job = callback_states(tmp_path / "run" / "checkpoint-4")["TrainingClock"]["attributes"]
 
     assert run_main(tiny_args(tmp_path / "run", corpus, "--resume_from_checkpoint", "True"))[0] == 0
     expected, resumed = weights(uninterrupted / "model"), weights(tmp_path / "run" / "model")
@@ -377,6 +393,20 @@ def test_resume_after_interruption_matches_uninterrupted_run_bit_exactly(trained
         for param in expected_state
         for name in expected_state[param]
     )
+    # The expert-load picture's snapshots (steps 1 and 8) and the wall time cover the job before the resume too.
+    expected_callbacks = callback_states(uninterrupted / "checkpoint-8")
+    resumed_callbacks = callback_states(tmp_path / "run" / "checkpoint-8")
+    assert resumed_callbacks["ExpertLoadRecorder"] == expected_callbacks["ExpertLoadRecorder"]
+    assert [snapshot[0] for snapshot in resumed_callbacks["ExpertLoadRecorder"]["attributes"].values()] == [1, 8]
+    clock = resumed_callbacks["TrainingClock"]["attributes"]
+    assert clock["resumed_at"] == [4] and clock["earlier_s"] > first_job["earlier_s"] > 0
+    wall_time = re.search(r"\| wall time \| (\d+) s, over 2 jobs \(resumed at step 4\) \|",
+                          (tmp_path / "run" / "model" / "README.md").read_text())  # fmt: skip
+    assert wall_time and int(wall_time[1]) >= round(clock["earlier_s"])
+
+
+def callback_states(checkpoint: Path) -> dict:
+    return json.loads((checkpoint / "trainer_state.json").read_text())["stateful_callbacks"]
 
 
 def test_full_disk_is_one_line_and_leaves_previous_checkpoint_and_model_loadable(trained, tmp_path, monkeypatch, capsys):
