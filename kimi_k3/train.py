@@ -79,7 +79,9 @@ TRAINING_DEFAULTS = {
     "save_total_limit": 2,
     "seed": 0,
     "report_to": "none",
-    # Router statistics are per-rank buffers; DDP's buffer broadcast would overwrite them (hf-integration.md §3.3).
+    # Pinned host memory only speeds up copies to an accelerator; without one torch warns at every data loader.
+    "dataloader_pin_memory": torch.accelerator.is_available(),
+    # The only buffers are the router biases, equal on every rank: DDP's per-forward broadcast would only cost time.
     "ddp_broadcast_buffers": False,
     # Layer 0's self-attention AttnRes projection and norm never enter the graph (no block snapshot to weigh yet).
     # Trainer would switch the search off under activation checkpointing, and DDP then fails on them.
@@ -350,9 +352,13 @@ def parse_args(argv: list[str] | None) -> tuple[ModelArguments, DataArguments, C
     parser = HfArgumentParser((ModelArguments, DataArguments, CardArguments, TrainingArguments))
     parser.set_defaults(**TRAINING_DEFAULTS)
     # HfArgumentParser gives a boolean's `--no_*` complement the field's own help text; say what the switch does.
+    complements = {
+        "--no_quantile_balancing": "Leave the router bias alone (loads are still logged).",
+        "--no_fused_situ": "Train with the model's eager SiTU-GLU (no torch.compile).",
+    }
     for action in parser._actions:
-        if "--no_quantile_balancing" in action.option_strings:
-            action.help = "Leave the router bias alone (loads are still logged)."
+        for option in set(action.option_strings) & complements.keys():
+            action.help = complements[option]
     return parser.parse_args_into_dataclasses(args=argv)
 
 
@@ -811,6 +817,15 @@ def main(argv: list[str] | None = None) -> int:
             lock.release()
 
 
+def evaluation_at_last_step(state: TrainerState) -> dict[str, float] | None:
+    """The metrics of an evaluation the Trainer already ran at the final step (``max_steps`` a multiple of
+    ``eval_steps``), so that the same weights are not evaluated twice."""
+    for entry in reversed(state.log_history):
+        if "eval_loss" in entry:
+            return entry if entry.get("step") == state.global_step else None
+    return None
+
+
 def run(trainer, model_args, data_args, blocks, data_description, checkpoint, publish, metadata) -> int:
     """Train (or, when the checkpoint already ends the run, only load it), evaluate, then save the final model."""
     training_args = trainer.args
@@ -827,7 +842,7 @@ def run(trainer, model_args, data_args, blocks, data_description, checkpoint, pu
         for callback in trainer.callback_handler.callbacks:
             if isinstance(callback, ResumableCallback):
                 callback.resume_from(trainer.state)
-    eval_metrics = trainer.evaluate()
+    eval_metrics = evaluation_at_last_step(trainer.state) or trainer.evaluate()
     if not trainer.is_world_process_zero():
         return 0
 

@@ -726,3 +726,21 @@ def test_help_gives_each_flag_its_own_text(capsys):
     help_text = " ".join(capsys.readouterr().out.split())
     assert "--no-quantile-balancing Leave the router bias alone" in help_text
     assert help_text.count("Update the router bias with Quantile Balancing") == 1
+    assert "--no-fused-situ Train with the model's eager SiTU-GLU" in help_text
+    assert help_text.count("Compile SiTU-GLU and its backward") == 1
+
+
+def test_defaults_pin_host_memory_only_for_an_accelerator(tmp_path):
+    """Pinned memory only helps copies to an accelerator; on a CPU torch warns about it at every data loader."""
+    training_args = train.parse_args(["--output_dir", str(tmp_path)])[3]
+    assert training_args.dataloader_pin_memory == torch.accelerator.is_available()
+
+
+def test_final_evaluation_reuses_an_evaluation_the_trainer_ran_at_the_last_step():
+    evaluated = {"eval_loss": 4.2, "eval_perplexity": 66.7, "step": 8}
+    state = TrainerState(global_step=8, log_history=[{"loss": 5.0, "step": 8}, evaluated, {"train_runtime": 3.0}])
+    assert train.evaluation_at_last_step(state) == evaluated
+    state.log_history.insert(2, {"loss": 4.9, "step": 9})
+    state.global_step = 9  # evaluated at step 8, trained on to step 9: evaluate again
+    assert train.evaluation_at_last_step(state) is None
+    assert train.evaluation_at_last_step(TrainerState(global_step=3)) is None
