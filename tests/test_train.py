@@ -730,10 +730,12 @@ def test_help_gives_each_flag_its_own_text(capsys):
     assert help_text.count("Compile SiTU-GLU and its backward") == 1
 
 
-def test_defaults_pin_host_memory_only_for_an_accelerator(tmp_path):
-    """Pinned memory only helps copies to an accelerator; on a CPU torch warns about it at every data loader."""
+def test_defaults_pin_host_memory_and_trade_determinism_by_device(tmp_path):
+    """Pinned memory only helps copies to an accelerator (on a CPU torch warns about it at every data loader); on a
+    CPU the job runs torch's deterministic kernels, so that runs with several threads repeat bit for bit."""
     training_args = train.parse_args(["--output_dir", str(tmp_path)])[3]
     assert training_args.dataloader_pin_memory == torch.accelerator.is_available()
+    assert training_args.full_determinism == (not torch.accelerator.is_available())
 
 
 def test_final_evaluation_reuses_an_evaluation_the_trainer_ran_at_the_last_step():
