@@ -738,6 +738,36 @@ def test_defaults_pin_host_memory_and_trade_determinism_by_device(tmp_path):
     assert training_args.full_determinism == (not torch.accelerator.is_available())
 
 
+REPEATED_BACKWARD = """
+import sys, tempfile, torch
+from transformers.trainer_utils import enable_full_determinism
+from configuration_kimi_k3 import KimiK3Config
+from kimi_k3 import train
+from modeling_kimi_k3 import KimiK3ForCausalLM
+args = train.parse_args(["--output_dir", tempfile.mkdtemp()])[3]
+if args.full_determinism:
+    enable_full_determinism(args.seed)  # what Trainer does with it
+model = KimiK3ForCausalLM(KimiK3Config(vocab_size=4096)).train()
+ids = torch.randint(3, 4096, (8, 128), generator=torch.Generator().manual_seed(1))
+def gradients():
+    model.zero_grad()
+    model(input_ids=ids, labels=ids).loss.backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+differing = sum(not torch.equal(a, b) for a, b in zip(gradients(), gradients()))
+sys.exit(f"{differing} gradients differ between identical backward passes" if differing else 0)
+"""
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="the job keeps fast kernels on accelerators")
+def test_job_defaults_make_a_two_thread_cpu_backward_repeat_bit_for_bit():
+    """With two threads, two identical backward passes of the default model differed in all 228 gradients; the job's
+    default (full_determinism on a CPU) makes them equal."""
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, "-c", REPEATED_BACKWARD], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 def test_final_evaluation_reuses_an_evaluation_the_trainer_ran_at_the_last_step():
     evaluated = {"eval_loss": 4.2, "eval_perplexity": 66.7, "step": 8}
     state = TrainerState(global_step=8, log_history=[{"loss": 5.0, "step": 8}, evaluated, {"train_runtime": 3.0}])
