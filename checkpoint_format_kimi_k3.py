@@ -372,19 +372,47 @@ def is_released_layout(names) -> bool:
 
 
 def checkpoint_shapes(model, stored_names=()) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of our checkpoint layout for ``model``: causal-LM names, per-expert w1/w3/w2
-    (fused expert tensors that ``stored_names`` holds, as ``save_pretrained(save_original_format=False)`` writes them,
-    keep their fused name)."""
-    prefix = f"{model.base_model_prefix}." if model.base_model is model else ""
+    """Names and shapes of our checkpoint layout for ``model``: per-expert w1/w3/w2 (fused expert tensors that
+    ``stored_names`` holds, as ``save_pretrained(save_original_format=False)`` writes them, keep their fused name),
+    spelt as the checkpoint spells them.
+
+    transformers bridges base and task checkpoints through ``base_model_prefix``: a task model's folder stores
+    ``model.*`` beside its head, a base model's folder stores the same tensors without the prefix. Without
+    ``stored_names`` the names carry the prefix (the released layout's text tensors do); a task model reading a base
+    folder still expects its head (reported missing), a base model reading a task folder expects no head
+    (`base_model_entries` drops it).
+    """
+    base_prefix = f"{model.base_model_prefix}."
+    text_names = [name.removeprefix(RELEASE_TEXT_PREFIX) for name in stored_names]
+    stored_prefixed = not text_names or any(name.startswith(base_prefix) for name in text_names)
+    is_base_model = model.base_model is model
+    tied = set(getattr(model, "all_tied_weights_keys", {}))  # stored once, as the tensor they are tied to
     shapes = {}
     for name, tensor in model.state_dict().items():
-        name, shape = prefix + name, tuple(tensor.shape)
+        if name in tied:
+            continue
+        if is_base_model and stored_prefixed:
+            name = base_prefix + name
+        elif not is_base_model and not stored_prefixed:
+            name = name.removeprefix(base_prefix)
+        shape = tuple(tensor.shape)
         shapes.update({name: shape} if name in stored_names else per_expert_shapes(name, shape))
-    if model.config.tie_word_embeddings:
-        shapes.pop("lm_head.weight", None)  # stored once, as the embedding
-    else:
-        shapes.setdefault("lm_head.weight", (model.config.vocab_size, model.config.hidden_size))
     return shapes
+
+
+def base_model_entries(model, entries: dict[str, "CheckpointEntry"]) -> dict[str, "CheckpointEntry"]:
+    """``entries`` without a task model's head when ``model`` is the base model: transformers loads a base model from
+    a task folder by reading its ``model.*`` tensors only (the head belongs to no part of the base model)."""
+    base_prefix = f"{model.base_model_prefix}."
+    text = {name: entry for name, entry in entries.items() if not name.startswith(RELEASE_MULTIMODAL_PREFIXES)}
+    names = [name.removeprefix(RELEASE_TEXT_PREFIX) for name in text]
+    if model.base_model is not model or not any(name.startswith(base_prefix) for name in names):
+        return entries
+    return {
+        name: entry
+        for name, entry in entries.items()
+        if name.startswith(RELEASE_MULTIMODAL_PREFIXES) or name.removeprefix(RELEASE_TEXT_PREFIX).startswith(base_prefix)
+    }
 
 
 def match_checkpoint_tensors(
@@ -483,6 +511,7 @@ def _shape_problems(entry: CheckpointEntry, key: str, shape: tuple[int, ...], re
 
 def verify_checkpoint_entries(model, entries: dict[str, CheckpointEntry]) -> None:
     """Refuse a checkpoint (either layout) that does not hold exactly ``model``'s tensors, naming each offender."""
+    entries = base_model_entries(model, entries)
     match_checkpoint_tensors(entries, checkpoint_shapes(model, entries), partial(read_checkpoint_tensor, entries))
 
 

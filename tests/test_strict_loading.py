@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from modeling_kimi_k3 import KimiK3ForCausalLM
+from modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3Model
 from tests.conftest import tiny_config
 
 LM_HEAD = "lm_head.weight"
@@ -72,3 +72,57 @@ def test_in_memory_state_dict_missing_a_tensor_is_refused(saved):
     del tensors[LM_HEAD]
     with pytest.raises(ValueError, match="missing lm_head.weight"):
         KimiK3ForCausalLM.from_pretrained(None, config=tiny_config(), state_dict=tensors)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Base model and causal LM folders, both ways (transformers bridges them through `base_model_prefix`)
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def base_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("base")
+    KimiK3Model(tiny_config()).save_pretrained(folder)
+    return folder
+
+
+def assert_same_tensors(model, folder, prefix=""):
+    stored = load_file(folder / "model.safetensors")
+    for name, tensor in model.state_dict().items():
+        if prefix + name in stored:
+            assert torch.equal(tensor, stored[prefix + name]), name
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_each_class_reloads_its_own_folder(saved, base_folder, strict):
+    base = KimiK3Model.from_pretrained(base_folder, strict=strict, output_loading_info=True)
+    assert_same_tensors(base[0], base_folder)
+    assert base[1]["missing_keys"] == set() and base[1]["unexpected_keys"] == set()
+    causal_lm, info = KimiK3ForCausalLM.from_pretrained(saved, strict=strict, output_loading_info=True)
+    assert_same_tensors(causal_lm, saved)
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_base_model_reads_the_base_of_a_causal_lm_folder(saved, strict):
+    model, info = KimiK3Model.from_pretrained(saved, strict=strict, output_loading_info=True)
+    assert_same_tensors(model, saved, prefix="model.")
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == {LM_HEAD}  # the head is not the base's
+
+
+def test_causal_lm_from_a_base_folder_is_refused_naming_only_the_head(base_folder):
+    with pytest.raises(ValueError, match=r"Refusing the checkpoint: 1 text tensor\(s\) do not match the model: "
+                                         r"missing lm_head\.weight \[97, 32\] \("):
+        KimiK3ForCausalLM.from_pretrained(base_folder)
+
+
+def test_causal_lm_from_a_base_folder_initialises_only_the_head_when_lenient(base_folder):
+    model, info = KimiK3ForCausalLM.from_pretrained(base_folder, strict=False, output_loading_info=True)
+    assert info["missing_keys"] == {LM_HEAD} and info["unexpected_keys"] == set()
+    assert_same_tensors(model.model, base_folder)
+    assert torch.isfinite(model.lm_head.weight).all() and model.lm_head.weight.std() > 0
+
+
+def test_base_folder_missing_a_tensor_is_still_refused(base_folder, tmp_path):
+    folder = edited_copy(base_folder, tmp_path / "bad", lambda tensors: tensors.pop(NORM.removeprefix("model.")))
+    for model_class in (KimiK3Model, KimiK3ForCausalLM):
+        with pytest.raises(ValueError, match=r"missing norm\.weight \[32\]"):
+            model_class.from_pretrained(folder)

@@ -1,0 +1,57 @@
+"""Tolerances derived from the computation, not tuned on one CPU.
+
+Two evaluations of one computation in another order (sharded sums, fused kernels, another ISA's vector width) round
+differently, by an amount set by the computation's condition (cancellation in a sum of many terms) and by the CPU's
+kernels. Float64 evaluations measure it: a result is acceptable when it is no further from the float64 result than
+the error scale of the working precision, taken as the larger of
+
+- the distance of a trusted evaluation in the working precision (one process, the reference kernel), and
+- the spread of float64 evaluations whose inputs were perturbed by one rounding of the working precision: a sum
+  with cancellation amplifies that perturbation as it amplifies rounding, where one trusted evaluation may happen
+  to round luckily;
+
+times a small factor.
+"""
+
+import torch
+from torch import nn
+
+# Both evaluations round the same terms in another order, so their errors have the same size; 4x covers the spread
+# of that size over orders (the largest seen over avx2, avx512 and unvectorised kernels: 2x).
+ROUNDING_FACTOR = 4.0
+# A few units in the last place of the result's scale, for results that every evaluation happens to round exactly.
+ULPS = 8
+
+
+@torch.no_grad()
+def perturb_parameters(model: nn.Module, seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """``model`` with every parameter multiplied by ``1 + ε·N(0, 1)``, ``ε`` the unit roundoff of ``dtype``."""
+    generator, eps = torch.Generator().manual_seed(seed), torch.finfo(dtype).eps
+    for parameter in model.parameters():
+        noise = torch.randn(parameter.shape, generator=generator, dtype=torch.float64).to(parameter.dtype)
+        parameter.mul_(1 + eps * noise)
+    return model
+
+
+def error_scale(trusted: torch.Tensor, exact: torch.Tensor, perturbed: list[torch.Tensor] = ()) -> float:
+    """The working precision's error on this result: the larger of the trusted evaluation's distance from ``exact``
+    and the spread of the ``perturbed`` float64 evaluations around it."""
+    if not exact.numel():
+        return 0.0
+    exact = exact.double()
+    return max((other.double() - exact).abs().max().item() for other in (trusted, *perturbed))
+
+
+def assert_as_accurate(actual: torch.Tensor, trusted: torch.Tensor, exact: torch.Tensor,
+                       perturbed: list[torch.Tensor] = (), what: str = "", factor: float = ROUNDING_FACTOR) -> None:
+    """``actual`` is within ``factor`` times the working precision's error scale (`error_scale`) of ``exact``."""
+    assert actual.shape == exact.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(exact.shape)}"
+    if not exact.numel():
+        return
+    distance = (actual.double() - exact.double()).abs().max().item()
+    ulps = ULPS * torch.finfo(trusted.dtype).eps * exact.double().abs().max().item()
+    bound = factor * error_scale(trusted, exact, perturbed) + ulps
+    assert distance <= bound, (
+        f"{what}: {distance:.3g} from the float64 result, more than {factor:g}x the working precision's error scale "
+        f"plus {ULPS} ulps ({bound:.3g})"
+    )
