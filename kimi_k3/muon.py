@@ -318,13 +318,16 @@ class PerHeadMuon(torch.optim.Optimizer):
                              for job in jobs))
         if key not in self._plans:
             rank = dist.get_rank(domain.group)
-            holdings = []
+            by_layout = {}  # parameters laid out alike share one holdings tuple, and so one analysis in the plan
             for job in jobs:
-                holdings.append(group_holdings(job.param, domain.group))
+                layout = (tuple(job.param.shape), job.param.device_mesh, job.param.placements)
+                if layout not in by_layout:
+                    by_layout[layout] = group_holdings(job.param, domain.group)
                 try:
-                    check_local_shard(job.param, holdings[-1][rank])
+                    check_local_shard(job.param, by_layout[layout][rank])
                 except LayoutError as error:
                     raise ValueError(f"Per-Head Muon cannot split Newton–Schulz of {_describe(job)}: {error}.") from None
+            holdings = [by_layout[tuple(job.param.shape), job.param.device_mesh, job.param.placements] for job in jobs]
             tilings = [Tiling.of(job.param.shape, job.pattern) for job in jobs]
             self._plans[key] = ShardedPlan(tilings, holdings, NS_STEPS)
         return self._plans[key]

@@ -87,17 +87,21 @@ def held_indices(shape, mesh_shape, coordinate, placements) -> list:
     """Global indices, per tensor dim, of the shard at mesh ``coordinate`` (in the local tensor's order)."""
     indices = [range(size) for size in shape]
     for mesh_dim, placement in enumerate(placements):
-        if isinstance(placement, _StridedShard):
+        if isinstance(placement, (Shard, _StridedShard)):
             kept = indices[placement.dim]
-            _, positions = placement.local_shard_size_and_offset(
-                len(kept), mesh_shape[mesh_dim], coordinate[mesh_dim], _StridedShardOffsetMode.ALL
-            )
-            indices[placement.dim] = [kept[i] for i in positions]
-        elif isinstance(placement, Shard):
-            kept = indices[placement.dim]
-            size, start = Shard.local_shard_size_and_offset(len(kept), mesh_shape[mesh_dim], coordinate[mesh_dim])
-            indices[placement.dim] = kept[start:start + size]
+            positions = _kept_positions(placement, len(kept), mesh_shape[mesh_dim], coordinate[mesh_dim])
+            indices[placement.dim] = kept[positions] if isinstance(positions, slice) else [kept[i] for i in positions]
     return indices
+
+
+@functools.lru_cache(maxsize=4096)
+def _kept_positions(placement, size: int, chunks: int, index: int):
+    """Positions, among ``size`` indices kept so far, that mesh index ``index`` of ``chunks`` keeps under
+    ``placement``: torch's own rule for each kind (a slice for ``Shard``, a list for ``_StridedShard``)."""
+    if isinstance(placement, _StridedShard):
+        return tuple(placement.local_shard_size_and_offset(size, chunks, index, _StridedShardOffsetMode.ALL)[1])
+    length, start = Shard.local_shard_size_and_offset(size, chunks, index)
+    return slice(start, start + length)
 
 
 def runs_of(indices) -> Runs:
@@ -139,14 +143,19 @@ def mesh_holdings(shape: tuple[int, ...], mesh_shape: tuple[int, ...], mesh_rank
     """Global rank -> :class:`Holding` of a tensor of global ``shape`` on a mesh of ``mesh_shape`` whose ranks, in
     row-major order of their coordinates, are ``mesh_ranks``, with ``placements``."""
     check_placements(placements, mesh_shape)
-    holdings = {}
-    for coordinate, rank in zip(itertools.product(*map(range, mesh_shape)), mesh_ranks):
-        per_dim = [runs_of(indices) for indices in held_indices(shape, mesh_shape, coordinate, placements)]
-        if any(not runs for runs in per_dim):
-            holdings[rank] = Holding((), ())
-        else:
-            holdings[rank] = Holding(flattened_runs(per_dim[:-1], shape[:-1]), per_dim[-1])
-    return holdings
+    coordinates = itertools.product(*map(range, mesh_shape))
+    return {rank: holding_at(shape, mesh_shape, coordinate, placements)
+            for coordinate, rank in zip(coordinates, mesh_ranks)}
+
+
+@functools.lru_cache(maxsize=65536)
+def holding_at(shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...],
+               placements: tuple) -> Holding:
+    """The :class:`Holding` of the rank at mesh ``coordinate`` (placements as :func:`check_placements` accepts)."""
+    per_dim = [runs_of(indices) for indices in held_indices(shape, mesh_shape, coordinate, placements)]
+    if any(not runs for runs in per_dim):
+        return Holding((), ())
+    return Holding(flattened_runs(per_dim[:-1], shape[:-1]), per_dim[-1])
 
 
 def dtensor_holdings(tensor: DTensor) -> dict[int, Holding]:

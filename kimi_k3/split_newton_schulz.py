@@ -36,6 +36,7 @@ needs); with b bytes per Newton–Schulz element:
 import bisect
 import functools
 import heapq
+import itertools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -233,15 +234,16 @@ class Piece(NamedTuple):
 
 @dataclass(frozen=True)
 class ParamExchange:
-    """One parameter under one layout: per rank the FLOPs and elements of the blocks it holds whole (its home blocks),
-    and every other block, cut by a shard boundary, as (block number, the pieces the ranks hold of it)."""
+    """One parameter under one layout: per rank the FLOPs and elements of the blocks it holds whole (its home blocks)
+    and of its pieces of the other blocks, and those blocks, cut by a shard boundary, as (block number, the pieces the
+    ranks hold of it)."""
 
     home_flops: tuple[int, ...]
     home_elements: tuple[int, ...]
     cut: tuple[tuple[int, tuple[Piece, ...]], ...]
+    held_cut_elements: tuple[int, ...]
 
 
-@functools.lru_cache(maxsize=1024)
 def param_exchange(tiling: Tiling, holdings: tuple[Holding, ...], steps: int) -> ParamExchange:
     """The home blocks and cut blocks of a parameter of ``tiling`` whose ranks hold ``holdings``."""
     flops = [newton_schulz_flops(size, tiling.cols, steps) for size in tiling.sizes]
@@ -262,7 +264,11 @@ def param_exchange(tiling: Tiling, holdings: tuple[Holding, ...], steps: int) ->
         raise LayoutError("some ranks hold whole rows of it and others parts of rows")
     locate = _piece_locator(holdings)
     cut = tuple((number, locate(*tiling.block(number))) for number in numbers)
-    return ParamExchange(tuple(home_flops), tuple(home_elements), cut)
+    held = [0] * len(holdings)
+    for _, pieces in cut:
+        for piece in pieces:
+            held[piece.rank] += piece.numel
+    return ParamExchange(tuple(home_flops), tuple(home_elements), cut, tuple(held))
 
 
 def _piece_locator(holdings: tuple[Holding, ...]):
@@ -305,12 +311,17 @@ class ShardedPlan:
     """The blocks of one step's sharded parameters: home blocks counted per rank, cut blocks listed with owners.
 
     ``holdings[p][r]`` is what rank r of the group holds of parameter p (:class:`kimi_k3.shard_layout.Holding`).
+    Parameters of one tiling given the same ``holdings`` object share one analysis.
     """
 
     def __init__(self, tilings: list[Tiling], holdings: list[tuple[Holding, ...]], steps: int):
         self.tilings, self.holdings, self.steps = tilings, holdings, steps
         self.world_size = len(holdings[0]) if holdings else 1
-        self.params = [param_exchange(tiling, held, steps) for tiling, held in zip(tilings, holdings)]
+        analyses = {}
+        for tiling, held in zip(tilings, holdings):
+            if (tiling, id(held)) not in analyses:
+                analyses[tiling, id(held)] = param_exchange(tiling, held, steps)
+        self.params = [analyses[tiling, id(held)] for tiling, held in zip(tilings, holdings)]
         self.home_flops = [sum(param.home_flops[rank] for param in self.params) for rank in range(self.world_size)]
         self.cut = [(index, number, pieces) for index, param in enumerate(self.params) for number, pieces in param.cut]
         self.cut_flops = [newton_schulz_flops(self.cut_block(i)[1], self.tilings[p].cols, steps)
@@ -333,15 +344,25 @@ class ShardedPlan:
             loads[owner] += flops
         return loads
 
+    def cut_elements(self) -> dict[str, list[int]]:
+        """Per rank, elements of the cut blocks: ``held`` (its pieces of them), ``sent`` (its pieces of blocks others
+        own, which it sends as inputs and gets back), ``received`` (the others' pieces of the blocks it owns) and
+        ``owned`` (the blocks it orthogonalises)."""
+        held = ([sum(column) for column in zip(*(param.held_cut_elements for param in self.params))] if self.params
+                else [0] * self.world_size)
+        own_pieces, owned = [0] * self.world_size, [0] * self.world_size
+        for index, ((_, _, pieces), owner) in enumerate(zip(self.cut, self.cut_owners)):
+            owned[owner] += self.cut_block(index)[1] * self.tilings[self.cut[index][0]].cols
+            first = bisect.bisect_left(pieces, (owner,))
+            own_pieces[owner] += sum(piece.numel for piece in itertools.takewhile(lambda p: p.rank == owner,
+                                                                                   pieces[first:]))
+        return {"held": held, "sent": [h - o for h, o in zip(held, own_pieces)],
+                "received": [total - o for total, o in zip(owned, own_pieces)], "owned": owned}
+
     def moved_elements(self) -> list[int]:
         """Per rank, the elements of cut-block pieces it sends in the two all-to-alls (= the elements it receives)."""
-        moved = [0] * self.world_size
-        for (_, _, pieces), owner in zip(self.cut, self.cut_owners):
-            for piece in pieces:
-                if piece.rank != owner:
-                    moved[owner] += piece.numel
-                    moved[piece.rank] += piece.numel
-        return moved
+        counts = self.cut_elements()
+        return [sent + received for sent, received in zip(counts["sent"], counts["received"])]
 
     def exchange_bytes(self, itemsize: int) -> list[tuple[int, int]]:
         """(bytes sent, bytes received) per rank: the inputs all-to-all plus the results all-to-all."""

@@ -4,6 +4,8 @@ The launched run (``tests/dist_scripts/split_newton_schulz.py``) steps the defau
 one with mixed block shapes), replicated as under DDP and FSDP2-sharded, on gradients that depend only on the parameter
 name and step; the test repeats the steps in this process with the same gradients."""
 
+import json
+import math
 from pathlib import Path
 
 import pytest
@@ -11,14 +13,19 @@ import torch
 
 from configuration_kimi_k3 import KimiK3Config
 from kimi_k3.muon import NS_STEPS, build_param_groups, muon_shapes_and_patterns, newton_schulz_exchange_bytes
+from kimi_k3.shard_layout import matrix_shape, mesh_holdings
 from kimi_k3.split_newton_schulz import (
     Block,
     assign_blocks,
     fsdp_holdings,
     newton_schulz_flops,
     plan_exchange,
+    plan_sharded,
     row_blocks,
 )
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from tests.conftest import tiny_config, torchrun
 from tests.dist_scripts import split_newton_schulz as scenario
@@ -87,13 +94,102 @@ def test_exchange_bytes_of_replicated_and_row_sharded_parameters():
     assert newton_schulz_exchange_bytes([(3, 4)], [None], 2, sharded=True, itemsize=4) == [(16, 16), (16, 16)]
 
 
+def reference_assignment(shapes, patterns, holdings, world_size):
+    """The sharded plan the slow way: every block listed, the rank of every element of it looked up, homes and owners
+    by :func:`assign_blocks`, and the elements every piece held away from its owner moves (there and back)."""
+    holder_of = []
+    for shape, held in zip(shapes, holdings):
+        rank_of = torch.full(matrix_shape(shape), -1)
+        for rank, holding in enumerate(held):
+            for row_start, row_stop in holding.rows:
+                for col_start, col_stop in holding.cols:
+                    rank_of[row_start:row_stop, col_start:col_stop] = rank
+        assert (rank_of >= 0).all()
+        holder_of.append(rank_of)
+    blocks = [block for param, (shape, pattern) in enumerate(zip(shapes, patterns))
+              for block in row_blocks(param, shape, pattern)]
+    ranks = [holder_of[block.param][block.start:block.stop].unique().tolist() for block in blocks]
+    homes = [block_ranks[0] if len(block_ranks) == 1 else None for block_ranks in ranks]
+    flops = [newton_schulz_flops(block.rows, block.cols, NS_STEPS) for block in blocks]
+    owners = assign_blocks(flops, homes, world_size)
+    loads, moved = [0] * world_size, [0] * world_size
+    for block, owner, block_flops in zip(blocks, owners, flops):
+        loads[owner] += block_flops
+        counts = torch.bincount(holder_of[block.param][block.start:block.stop].flatten(), minlength=world_size)
+        for rank, count in enumerate(counts.tolist()):
+            if rank != owner:
+                moved[rank] += count
+                moved[owner] += count
+    cut_owners = [owner for owner, home in zip(owners, homes) if home is None]
+    return loads, moved, cut_owners
+
+
+def random_layouts(generator, count):
+    """Parameters of random shapes and block patterns, each under one of the layouts the project produces."""
+    layouts = [
+        ((3,), lambda ndim: (Shard(0),)),
+        ((5,), lambda ndim: (Shard(0),)),
+        ((2, 2), lambda ndim: (_StridedShard(0, split_factor=2), Shard(0)) if ndim == 3 else (Shard(0), Shard(1))),
+        ((2,), lambda ndim: (Shard(ndim - 1),)),
+        ((2,), lambda ndim: (_StridedShard(ndim - 2, split_factor=2),)),
+    ]
+    mesh_shape, placements_of = layouts[int(torch.randint(len(layouts), (), generator=generator))]
+    world_size = math.prod(mesh_shape)
+    shapes, patterns, holdings = [], [], []
+    for _ in range(count):
+        sizes = [int(size) for size in torch.randint(1, 5, (int(torch.randint(1, 3, (), generator=generator)),),
+                                                     generator=generator)]
+        rows = sum(sizes) * int(torch.randint(1, 4, (), generator=generator)) * 2  # even: strided row splits
+        experts = int(torch.randint(2, 6, (), generator=generator)) * 2
+        shape = (experts, rows, int(torch.randint(2, 9, (), generator=generator)) * 2)
+        shape = shape if torch.rand((), generator=generator) < 0.5 else shape[1:]
+        pattern = tuple(sizes) if torch.rand((), generator=generator) < 0.7 else None
+        by_rank = mesh_holdings(shape, mesh_shape, tuple(range(world_size)), placements_of(len(shape)))
+        shapes.append(shape)
+        patterns.append(pattern)
+        holdings.append(tuple(by_rank[rank] for rank in range(world_size)))
+    return shapes, patterns, holdings, world_size
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_sharded_plan_equals_listing_every_block_and_element(seed):
+    shapes, patterns, holdings, world_size = random_layouts(torch.Generator().manual_seed(seed), count=4)
+    plan = plan_sharded(shapes, patterns, holdings, NS_STEPS)
+    loads, moved, cut_owners = reference_assignment(shapes, patterns, holdings, world_size)
+    assert plan.flops_per_rank() == loads
+    assert plan.moved_elements() == moved
+    assert plan.cut_owners == cut_owners
+    assert plan.block_count == sum(len(row_blocks(0, shape, pattern)) for shape, pattern in zip(shapes, patterns))
+
+
+def test_expert_parallel_blocks_stay_home_and_only_cut_dense_blocks_travel():
+    """Two 4-row experts of [4, 3] per rank on a (efsdp 2, ep 2) mesh: no piece of them travels; a dense [6, 3]
+    matrix over the same 4 ranks (2, 2, 2, 0 rows) is one block cut three ways."""
+    experts = (8, 4, 3)
+    expert_holdings = mesh_holdings(experts, (2, 2), (0, 1, 2, 3), (_StridedShard(0, split_factor=2), Shard(0)))
+    assert [expert_holdings[rank].rows for rank in range(4)] == [((0, 8),), ((16, 24),), ((8, 16),), ((24, 32),)]
+    plan = plan_sharded([experts, (6, 3)], [(4,), None],
+                        [tuple(expert_holdings[rank] for rank in range(4)), fsdp_holdings((6, 3), 4)], NS_STEPS)
+    assert [len(pieces) for _, _, pieces in plan.cut] == [3]
+    owner = plan.cut_owners[0]
+    assert plan.moved_elements()[owner] == 2 * 2 * 3 * 2  # it receives two others' 2 x 3 rows and returns them
+    assert sum(plan.moved_elements()) == 2 * 2 * 3 * 2 * 2
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # 2 processes against one
 # ---------------------------------------------------------------------------------------------------------------------
 def configs() -> dict[str, KimiK3Config]:
-    """The default model, and a tiny one whose kv_b_proj has K and V blocks of different shapes (two RMS scales in
-    one parameter) and whose 3 MLA heads put a shard boundary inside a head."""
-    return {"default": KimiK3Config(), "mixed_blocks": tiny_config(num_attention_heads=3, v_head_dim=4)}
+    """The default model; a tiny one whose kv_b_proj has K and V blocks of different shapes (two RMS scales in one
+    parameter) and whose 3 MLA heads put a shard boundary inside a head; the same with 2 heads, which tensor
+    parallelism splits (one head per rank)."""
+    return {"default": KimiK3Config(), "mixed_blocks": tiny_config(num_attention_heads=3, v_head_dim=4),
+            "two_heads": tiny_config(v_head_dim=4)}
+
+
+# Expert and tensor parallelism run on the tiny models only: they add no Newton–Schulz work, only layouts.
+LAYOUTS = {"default": ["ddp", "fsdp2"], "mixed_blocks": ["ddp", "fsdp2", "ep"], "two_heads": ["ep", "tp"]}
+RUNS = [(config, layout) for config, layouts in LAYOUTS.items() for layout in layouts]
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +197,7 @@ def launched(tmp_path_factory):
     work = tmp_path_factory.mktemp("split_newton_schulz")
     for name, config in configs().items():
         config.to_json_file(work / f"{name}.json")
+    (work / "layouts.json").write_text(json.dumps(LAYOUTS))
     torchrun(str(Path(scenario.__file__)), str(work), nproc=WORLD_SIZE, timeout_s=LAUNCH_TIMEOUT_S)
     return torch.load(work / "split.pt", weights_only=False)
 
@@ -112,8 +209,7 @@ def single_process():
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["ddp", "fsdp2"])
-@pytest.mark.parametrize("config", ["default", "mixed_blocks"])
+@pytest.mark.parametrize(("config", "layout"), RUNS)
 def test_split_newton_schulz_is_bitwise_the_single_process_update_over_steps_with_momentum(
     config, layout, launched, single_process
 ):
@@ -121,6 +217,16 @@ def test_split_newton_schulz_is_bitwise_the_single_process_update_over_steps_wit
     assert result["state"].keys() == expected_state.keys()
     for name, expected in expected_state.items():
         assert torch.equal(result["state"][name], expected), name
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize(("config", "layout"), RUNS)
+def test_measured_traffic_is_what_the_optimizers_plans_give_each_rank(config, layout, launched):
+    result = launched[config][layout]
+    assert result["bytes_per_rank"] == [[tuple(planned)] * scenario.STEPS for planned in result["planned_bytes_per_rank"]]
+    if layout in ("ep", "tp"):
+        assert all(sent > 0 for sent, _ in result["planned_bytes_per_rank"])
 
 
 @pytest.mark.distributed
