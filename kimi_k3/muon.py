@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.adamw import adamw
 
 from checkpoint_format_kimi_k3 import EXPERT_LAYOUT, expert_block_rows
@@ -110,14 +110,19 @@ def merge_row_blocks(blocks, pattern, shape):
 
 
 def gather_whole_matrix(update):
-    """A sharded (``DTensor``) update all-gathered into a replicated ``DTensor``; a plain tensor as it is.
+    """A sharded (``DTensor``) update all-gathered into a whole plain tensor on every rank; a plain tensor as it is.
 
-    The path of ``split_newton_schulz=False``: every rank orthogonalises every block, and adding the replicated
-    update to the sharded parameter keeps each rank's rows locally. Bitwise the single-process update.
+    The path of ``split_newton_schulz=False``: every rank orthogonalises every block of every update, then keeps its
+    own shard of the result (:func:`shard_like`). Bitwise the single-process update.
     """
+    return update.full_tensor() if isinstance(update, DTensor) else update
+
+
+def shard_like(update, whole):
+    """This rank's shard of ``whole`` in the layout of ``update`` (local slicing, no communication)."""
     if isinstance(update, DTensor):
-        return update.redistribute(placements=[Replicate()] * update.device_mesh.ndim)
-    return update
+        return distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)
+    return whole
 
 
 def orthogonalize_by_shape(stacks, dtype=torch.bfloat16):
@@ -135,8 +140,8 @@ def orthogonalize_by_shape(stacks, dtype=torch.bfloat16):
 
 
 def orthogonalize_whole(updates, patterns, dtypes, orthogonalize):
-    """Every block on this process: per update, (orthogonalised update of its shape, alpha scale)."""
-    updates = [gather_whole_matrix(update) for update in updates]
+    """Every block on this process: per update, (orthogonalised update in its layout, alpha scale)."""
+    layouts, updates = updates, [gather_whole_matrix(update) for update in updates]
     stacks = [split_row_blocks(update, pattern) for update, pattern in zip(updates, patterns)]
     orthogonal = iter(orthogonalize([stack for per_param in stacks for stack in per_param]))
     results = []
@@ -148,7 +153,7 @@ def orthogonalize_whole(updates, patterns, dtypes, orthogonalize):
         else:
             blocks, scale = [block.to(dtype) * _match_rms_scale(block) for block in blocks], 1.0
         results.append((merge_row_blocks(blocks, pattern, update.shape), scale))
-    return results
+    return [(shard_like(layout, whole), scale) for layout, (whole, scale) in zip(layouts, results)]
 
 
 def newton_schulz_exchange_bytes(shapes, patterns, world_size, sharded, itemsize=torch.bfloat16.itemsize):

@@ -39,12 +39,14 @@ _INPUT_SECOND = ("c10d::_allgather_base_", "c10d::allgather_", "c10d::_reduce_sc
 
 
 class CollectivePayload(TorchDispatchMode):
-    """Bytes of the tensors this rank hands to torch.distributed collectives, c10d and functional (DTensor's); a
-    functional collective's own c10d call is not counted again. Works under the fake process group too."""
+    """Bytes of the tensors this rank hands to torch.distributed collectives, c10d and functional (DTensor's), and of
+    what each call leaves in its output; a functional collective's own c10d call is not counted again. Works under the
+    fake process group too."""
 
     def __init__(self):
         super().__init__()
         self.calls: list[tuple[str, int]] = []
+        self.received: list[int] = []
         self._depth = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -52,18 +54,26 @@ class CollectivePayload(TorchDispatchMode):
         namespace, _, op = name.partition("::")
         if namespace not in ("c10d", "_c10d_functional") or not any(kind in op for kind in _COLLECTIVES):
             return func(*args, **(kwargs or {}))
-        if self._depth == 0:
+        outermost = self._depth == 0
+        if outermost:
             given = args[1] if name in _INPUT_SECOND else args[0]
-            self.calls.append((name, sum(t.numel() * t.element_size() for t in _tensors(given))))
+            self.calls.append((name, _nbytes(given)))
         self._depth += 1
         try:
-            return func(*args, **(kwargs or {}))
+            result = func(*args, **(kwargs or {}))
         finally:
             self._depth -= 1
+        if outermost:
+            self.received.append(_nbytes(result if namespace == "_c10d_functional" else args[0]))
+        return result
 
     @property
     def payload(self) -> int:
         return sum(size for _, size in self.calls)
+
+
+def _nbytes(value) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(value))
 
 
 def _tensors(value):

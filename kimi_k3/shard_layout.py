@@ -78,7 +78,7 @@ def check_placements(placements, mesh_shape) -> None:
         if isinstance(placement, (Shard, _StridedShard)) or size == 1:
             continue
         if not isinstance(placement, Replicate):
-            raise LayoutError(f"{placement} is neither Shard nor Replicate")
+            raise LayoutError(f"{placement!r} is neither Shard nor Replicate")
         if any(isinstance(other, (Shard, _StridedShard)) for other in placements):
             raise LayoutError(f"a mesh dim of {size} ranks replicates the shards (each element on several ranks)")
 

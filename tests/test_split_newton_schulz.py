@@ -1,8 +1,11 @@
-"""Newton–Schulz split across ranks: the block plan in this process, and 2 gloo processes against one.
+"""Newton–Schulz split across ranks: the block plan in this process against listing every block, 2 gloo processes
+against one, and 4 processes training with expert parallelism against one.
 
-The launched run (``tests/dist_scripts/split_newton_schulz.py``) steps the default ``KimiK3Config()`` model (and a tiny
-one with mixed block shapes), replicated as under DDP and FSDP2-sharded, on gradients that depend only on the parameter
-name and step; the test repeats the steps in this process with the same gradients."""
+The 2-process run (``tests/dist_scripts/split_newton_schulz.py``) steps the default ``KimiK3Config()`` model (and tiny
+ones with mixed block shapes), replicated as under DDP, FSDP2-sharded, and sharded by transformers with expert or tensor
+parallelism, on gradients that depend only on the parameter name and step; the test repeats the steps in this process
+with the same gradients. The 4-process run (``tests/dist_scripts/expert_parallel_muon.py``) trains through Trainer on a
+model loaded with ``DistributedConfig(fsdp_size=4, ep_size=2)``; the test replays its optimizer steps here."""
 
 import json
 import math
@@ -10,9 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.utils.flop_counter import FlopCounterMode
 
 from configuration_kimi_k3 import KimiK3Config
-from kimi_k3.muon import NS_STEPS, build_param_groups, muon_shapes_and_patterns, newton_schulz_exchange_bytes
+from kimi_k3.muon import NS_STEPS, PerHeadMuon, build_param_groups, muon_shapes_and_patterns, newton_schulz_exchange_bytes
+from kimi_k3.parallel_plan import Layout, Setup, make_plan
+from kimi_k3.parallel_verify import fake_process_group
 from kimi_k3.shard_layout import matrix_shape, mesh_holdings
 from kimi_k3.split_newton_schulz import (
     Block,
@@ -23,11 +32,9 @@ from kimi_k3.split_newton_schulz import (
     plan_sharded,
     row_blocks,
 )
-from torch.distributed.tensor import Shard
-from torch.distributed.tensor.placement_types import _StridedShard
-
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from tests.conftest import tiny_config, torchrun
+from tests.dist_scripts import expert_parallel_muon as expert_parallel_scenario
 from tests.dist_scripts import split_newton_schulz as scenario
 
 WORLD_SIZE = 2
@@ -172,8 +179,9 @@ def test_expert_parallel_blocks_stay_home_and_only_cut_dense_blocks_travel():
                         [tuple(expert_holdings[rank] for rank in range(4)), fsdp_holdings((6, 3), 4)], NS_STEPS)
     assert [len(pieces) for _, _, pieces in plan.cut] == [3]
     owner = plan.cut_owners[0]
-    assert plan.moved_elements()[owner] == 2 * 2 * 3 * 2  # it receives two others' 2 x 3 rows and returns them
-    assert sum(plan.moved_elements()) == 2 * 2 * 3 * 2 * 2
+    # Each way, the owner gets two others' 2 x 3 rows (inputs) and sends them back (results); each other holder the same.
+    assert plan.moved_elements()[owner] == 2 * 2 * 3
+    assert sorted(plan.moved_elements()) == [0, 2 * 3, 2 * 3, 2 * 2 * 3]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -256,3 +264,122 @@ def test_measured_traffic_is_the_exchange_bytes_formula(layout, launched):
 @pytest.mark.slow
 def test_plain_parameters_with_different_updates_per_rank_are_refused(launched):
     assert "pass split_newton_schulz=False when each rank trains its own model" in launched["refusal"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 4 processes, expert parallelism 2 x FSDP 2, through Trainer
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def expert_parallel(tmp_path_factory):
+    work = tmp_path_factory.mktemp("expert_parallel_muon")
+    torch.manual_seed(0)
+    # Experts large enough that one whole expert tensor outweighs everything the step exchanges for the dense blocks.
+    config = tiny_config(num_experts=16, moe_intermediate_size=32, routed_expert_hidden_size=48)
+    KimiK3ForCausalLM(config).save_pretrained(work / "initial")
+    torchrun(str(Path(expert_parallel_scenario.__file__)), str(work), nproc=expert_parallel_scenario.WORLD_SIZE,
+             timeout_s=LAUNCH_TIMEOUT_S)
+    return config, torch.load(work / "expert_parallel_muon.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def replayed(expert_parallel):
+    """The launched run's optimizer steps in one process: its first weights, then its gradients, step by step."""
+    config, launched = expert_parallel
+    model = KimiK3ForCausalLM(config)
+    model.load_state_dict(launched["steps"][0]["params"], strict=False)
+    optimizer = PerHeadMuon.for_model(model, **launched["optimizer_kwargs"])
+    weights, flops = [], []
+    for step in launched["steps"]:
+        for name, p in model.named_parameters():
+            p.grad = step["grads"].get(name)
+        with FlopCounterMode(display=False) as counter:
+            optimizer.step()
+        flops.append(counter.get_total_flops())
+        weights.append({name: p.detach().clone() for name, p in model.named_parameters()})
+    return {"weights": weights, "flops": flops}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_expert_parallel_run_holds_two_whole_experts_per_rank_on_a_2x2_mesh(expert_parallel):
+    config, launched = expert_parallel
+    for rank in launched["ranks"]:
+        mesh_shape, placements, local_shape = rank["layout"]
+        assert mesh_shape == (2, 2) and placements == (_StridedShard(0, split_factor=2), Shard(0))
+        assert local_shape[0] == config.num_experts // 4
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_expert_parallel_newton_schulz_updates_are_bitwise_one_process_over_steps_with_momentum(expert_parallel, replayed):
+    _, launched = expert_parallel
+    for step, expected in zip(launched["steps"], replayed["weights"]):
+        assert step["after"].keys() == expected.keys()
+        for name, weight in expected.items():
+            assert torch.equal(step["after"][name], weight), name
+        moved = [name for name in expected if not torch.equal(step["params"][name], step["after"][name])]
+        assert any("experts.gate_up_proj" in name for name in moved) and any("q_proj" in name for name in moved)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_expert_parallel_ranks_each_do_a_quarter_of_the_newton_schulz_flops(expert_parallel, replayed):
+    per_rank = torch.tensor([rank["flops"] for rank in expert_parallel[1]["ranks"]], dtype=torch.float64)
+    total = torch.tensor(replayed["flops"], dtype=torch.float64)
+    assert torch.all((per_rank / (total / 4) - 1).abs() < 0.10), per_rank / (total / 4)
+    torch.testing.assert_close(per_rank.sum(0), total, rtol=1e-3, atol=0)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_expert_parallel_step_never_holds_a_whole_expert_tensor(expert_parallel):
+    """Counted inside every optimizer step on every rank: the bytes of the largest tensor any operation creates (a
+    DTensor by its local shard), and of what each collective delivers, against the smaller of the two whole expert
+    tensors of one layer (down_proj, fp32). Gathering it whole would take one of each at least that large."""
+    config, launched = expert_parallel
+    whole_expert_bytes = config.num_experts * config.routed_expert_hidden_size * config.moe_intermediate_size * 4
+    for rank in launched["ranks"]:
+        assert max(rank["largest_tensor"]) < whole_expert_bytes
+        assert max(size for received in rank["received"] for size in received) < whole_expert_bytes
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_expert_parallel_traffic_is_the_planners(expert_parallel):
+    """The planner's block assignment for Layout(4, 4, ep=2) of this model: what each rank hands to the two
+    all-to-alls of every step."""
+    config, launched = expert_parallel
+    rank_bytes = launched["ranks"][0]["ns_itemsize"]
+    plan = make_plan(config, Layout(4, 4, ep=2), Setup(sequence_length=16, ns_dtype="fp32" if rank_bytes == 4 else "bf16"))
+    expected = [moved * rank_bytes for moved in plan.newton_schulz.moved_elements()]
+    assert [rank["given"] for rank in launched["ranks"]] == [[moved] * expert_parallel_scenario.STEPS
+                                                            for moved in expected]
+
+
+@pytest.mark.parametrize(
+    ("mesh_shape", "world_size", "placements", "reason"),
+    [
+        ((2, 2), 4, (Shard(0), Replicate()), "a mesh dim of 2 ranks replicates the shards"),
+        ((4,), 4, (Partial(),), "Partial(sum) is neither Shard nor Replicate"),
+        ((2, 2), 8, (Shard(0), Shard(1)), "its 2-D mesh holds 4 of the 8 ranks"),
+    ],
+    ids=["hsdp", "partial", "2d-mesh-of-some-ranks"],
+)
+def test_a_layout_the_split_cannot_describe_is_refused_at_the_first_step_naming_the_parameter(
+    mesh_shape, world_size, placements, reason
+):
+    with fake_process_group(world_size):
+        mesh = DeviceMesh("cpu", torch.arange(math.prod(mesh_shape)).view(mesh_shape))
+        if any(isinstance(placement, Partial) for placement in placements):
+            weight = DTensor.from_local(torch.zeros(8, 4), mesh, placements, run_check=False)
+        else:
+            weight = distribute_tensor(torch.zeros(8, 4), mesh, placements, src_data_rank=None)
+        weight = torch.nn.Parameter(weight)
+        optimizer = PerHeadMuon([{"params": [weight], "param_names": ["model.layers.0.mlp.up_proj.weight"]}])
+        weight.grad = torch.zeros_like(weight)
+        with pytest.raises(ValueError) as refusal:
+            optimizer.step()
+    message = str(refusal.value)
+    assert message.startswith("Per-Head Muon cannot split Newton–Schulz of model.layers.0.mlp.up_proj.weight "
+                              f"(placements {placements} on a mesh of shape {mesh_shape})")
+    assert reason in message and "pass split_newton_schulz=False" in message and "\n" not in message
