@@ -37,14 +37,12 @@ from checkpoint_format_kimi_k3 import EXPERT_LAYOUT, expert_block_rows
 from kimi_k3.precision import matmul_dtype
 from kimi_k3.qk_clip import QKClip
 from kimi_k3.shard_layout import LayoutError, check_local_shard
+from kimi_k3.newton_schulz_exchange import CutBlockExchange, assemble_sharded, orthogonalize_replicated
 from kimi_k3.split_newton_schulz import (
-    CutBlockExchange,
     Domain,
-    Tiling,
     ShardedPlan,
-    assemble_sharded,
+    Tiling,
     group_holdings,
-    orthogonalize_replicated,
     plan_exchange,
     plan_replicated,
     split_domain,

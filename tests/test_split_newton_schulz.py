@@ -274,7 +274,7 @@ def expert_parallel(tmp_path_factory):
     work = tmp_path_factory.mktemp("expert_parallel_muon")
     torch.manual_seed(0)
     # Experts large enough that one whole expert tensor outweighs everything the step exchanges for the dense blocks.
-    config = tiny_config(num_experts=16, moe_intermediate_size=32, routed_expert_hidden_size=48)
+    config = tiny_config(num_experts=16, moe_intermediate_size=64, routed_expert_hidden_size=48)
     KimiK3ForCausalLM(config).save_pretrained(work / "initial")
     torchrun(str(Path(expert_parallel_scenario.__file__)), str(work), nproc=expert_parallel_scenario.WORLD_SIZE,
              timeout_s=LAUNCH_TIMEOUT_S)
