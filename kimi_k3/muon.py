@@ -198,9 +198,10 @@ class PerHeadMuon(torch.optim.Optimizer):
     be 15-100x slower; ``"bfloat16"`` or ``"float32"`` force one.
 
     Under an initialised process group of several ranks Newton–Schulz is split across the ranks
-    (:mod:`kimi_k3.split_newton_schulz`), with plain parameters taken as replicated, as DDP keeps them;
-    ``split_newton_schulz=False`` makes every rank orthogonalise every block instead (e.g. for parameters that
-    differ between ranks). A single process is unaffected.
+    (:mod:`kimi_k3.split_newton_schulz`), with plain parameters taken as replicated, as DDP keeps them, and DTensors
+    by their layout (FSDP2, expert and tensor parallelism); a layout it cannot describe is refused at the first step,
+    naming the parameter. ``split_newton_schulz=False`` makes every rank gather and orthogonalise every block instead
+    (e.g. for parameters that differ between ranks). A single process is unaffected.
     """
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, betas=(0.9, 0.95),
@@ -317,22 +318,21 @@ class PerHeadMuon(torch.optim.Optimizer):
     def _sharded_plan(self, domain, jobs) -> ShardedPlan:
         """The block assignment of ``domain`` for these parameters' shapes and layouts, computed once (every rank
         computes the same); on that first step each rank checks that the shard it computed for itself is its own."""
-        key = (domain, tuple((tuple(job.param.shape), job.pattern, job.param.device_mesh, job.param.placements)
-                             for job in jobs))
+        layouts = [(tuple(job.param.shape), job.param.device_mesh, job.param.placements) for job in jobs]
+        key = (domain, tuple(layouts), tuple(job.pattern for job in jobs))
         if key not in self._plans:
             rank = dist.get_rank(domain.group)
             by_layout = {}  # parameters laid out alike share one holdings tuple, and so one analysis in the plan
-            for job in jobs:
-                layout = (tuple(job.param.shape), job.param.device_mesh, job.param.placements)
+            for job, layout in zip(jobs, layouts):
                 if layout not in by_layout:
                     by_layout[layout] = group_holdings(job.param, domain.group)
                 try:
                     check_local_shard(job.param, by_layout[layout][rank])
                 except LayoutError as error:
-                    raise ValueError(f"Per-Head Muon cannot split Newton–Schulz of {_describe(job)}: {error}.") from None
-            holdings = [by_layout[tuple(job.param.shape), job.param.device_mesh, job.param.placements] for job in jobs]
+                    raise ValueError(f"Per-Head Muon cannot split Newton–Schulz of {_describe(job)}: {error}.") \
+                        from None
             tilings = [Tiling.of(job.param.shape, job.pattern) for job in jobs]
-            self._plans[key] = ShardedPlan(tilings, holdings, NS_STEPS)
+            self._plans[key] = ShardedPlan(tilings, [by_layout[layout] for layout in layouts], NS_STEPS)
         return self._plans[key]
 
     def newton_schulz_plans(self) -> list:
@@ -373,7 +373,8 @@ class PerHeadMuon(torch.optim.Optimizer):
 
 
 def _param_names(group):
-    return group.get("param_names") or [f"parameter {i} of shape {tuple(p.shape)}" for i, p in enumerate(group["params"])]
+    unnamed = [f"parameter {i} of shape {tuple(p.shape)}" for i, p in enumerate(group["params"])]
+    return group.get("param_names") or unnamed
 
 
 def _describe(job) -> str:

@@ -95,14 +95,14 @@ class CutBlockExchange:
         blocks = {index: torch.empty(self.plan.cut_block(index)[1], self.plan.tilings[self.plan.cut[index][0]].cols,
                                      dtype=self.ns_dtype, device=self.device) for index in view.owned}
         arrived = {pair: self.inputs[pair] for pair in self.inputs if pair[0] in blocks}
-        arrived.update((pair, rows) for pairs, tensors in zip(view.incoming, received) for pair, rows in zip(pairs, tensors))
+        arrived.update(_pairs_with(view.incoming, received))
         for pair, rows in arrived.items():
             blocks[pair[0]][self._within_block(pair)] = rows
         outputs = dict(zip(view.owned, (out[0] for out in orthogonalize([blocks[i].unsqueeze(0) for i in view.owned]))))
         returned = self._all_to_all([[outputs[pair[0]][self._within_block(pair)] for pair in pairs]
                                      for pairs in view.incoming], view.outgoing, group)
         results = {pair: outputs[pair[0]][self._within_block(pair)] for pair in self.inputs if pair[0] in outputs}
-        results.update((pair, rows) for pairs, tensors in zip(view.outgoing, returned) for pair, rows in zip(pairs, tensors))
+        results.update(_pairs_with(view.outgoing, returned))
         return results
 
     def _within_block(self, pair) -> tuple[slice, slice]:
@@ -134,6 +134,12 @@ class CutBlockExchange:
     def _piece_shape(self, pair) -> tuple[int, int]:
         piece = self.plan.piece(pair)
         return piece.row_stop - piece.row_start, piece.col_stop - piece.col_start
+
+
+def _pairs_with(pairs_per_rank, tensors_per_rank):
+    """(piece, rows) for the pieces of every rank and the tensors received from (or returned by) it."""
+    for pairs, tensors in zip(pairs_per_rank, tensors_per_rank):
+        yield from zip(pairs, tensors)
 
 
 def assemble_sharded(plan: ShardedPlan, rank: int, param: int, update: torch.Tensor, results, orthogonalize,

@@ -168,12 +168,13 @@ def common_divisors(a: int, b: int) -> list[int]:
     return [d for d in range(1, min(a, b) + 1) if a % d == 0 and b % d == 0]
 
 
-def planned_placements(spec: ParamSpec, layout: Layout) -> tuple[tuple[int, ...], tuple[int, ...], tuple]:
-    """(mesh shape, mesh ranks in row-major order, placements) of ``spec``'s DTensor under ``layout``: FSDP2's
-    ``Shard(0)`` over all ranks; under expert parallelism transformers' 2-D (efsdp, ep) mesh for the experts, split
-    over ``ep`` first and FSDP2-sharded over the ``efsdp`` ranks holding the same experts."""
+def planned_placements(expert: bool, layout: Layout) -> tuple[tuple[int, ...], tuple[int, ...], tuple]:
+    """(mesh shape, mesh ranks in row-major order, placements) of a parameter's DTensor under ``layout`` (``expert``:
+    a stacked-expert tensor): FSDP2's ``Shard(0)`` over all ranks; under expert parallelism transformers' 2-D
+    (efsdp, ep) mesh for the experts, split over ``ep`` first and FSDP2-sharded over the ``efsdp`` ranks holding the
+    same experts."""
     ranks = tuple(range(layout.world_size))
-    if spec.expert and layout.ep > 1:
+    if expert and layout.ep > 1:
         return (layout.efsdp, layout.ep), ranks, (_StridedShard(0, split_factor=layout.ep), Shard(0))
     return (layout.fsdp,), ranks, (Shard(0),)
 
@@ -186,14 +187,14 @@ def holdings(spec: ParamSpec, layout: Layout) -> tuple[Holding, ...]:
 @functools.lru_cache(maxsize=256)
 def _holdings(shape, expert: bool, layout: Layout) -> tuple[Holding, ...]:
     # One tuple per kind of parameter: plans share the analysis of parameters holding alike (ShardedPlan).
-    mesh_shape, ranks, placements = planned_placements(ParamSpec("", shape, "", "", expert), layout)
+    mesh_shape, ranks, placements = planned_placements(expert, layout)
     by_rank = mesh_holdings(shape, mesh_shape, ranks, placements)
     return tuple(by_rank[rank] for rank in ranks)
 
 
 def local_numel(spec: ParamSpec, layout: Layout) -> int:
     """Elements of ``spec`` on rank 0 (the largest shard: torch.chunk gives the first ranks the extra rows)."""
-    mesh_shape, _, placements = planned_placements(spec, layout)
+    mesh_shape, _, placements = planned_placements(spec.expert, layout)
     return holding_at(spec.shape, mesh_shape, (0,) * len(mesh_shape), placements).numel
 
 
@@ -289,7 +290,8 @@ def make_plan(config, layout: Layout, setup: Setup, with_communication: bool = T
     inventory = model_inventory(config, setup.lora_rank)
     specs = list(inventory.specs)
     counts = element_counts(config, layout, setup, specs)
-    plan = Plan(config, layout, setup, counts, placements={spec.name: planned_placements(spec, layout) for spec in specs})
+    placements = {spec.name: planned_placements(spec.expert, layout) for spec in specs}
+    plan = Plan(config, layout, setup, counts, placements=placements)
     b = {name: DTYPE_BYTES[getattr(setup, f"{name}_dtype")] for name in ("param", "compute", "grad", "optimizer", "ns")}
     statistics = statistics_specs(config, setup)
     plan.memory = {

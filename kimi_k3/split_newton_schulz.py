@@ -18,13 +18,13 @@ whole. The scheme, for one optimizer step over the N ranks of a process group:
    orthogonalised where it lies and never travels. For the blocks cut by a shard boundary one all-to-all sends each
    owner the pieces the other ranks hold, Newton–Schulz runs on whole blocks, and a second all-to-all returns every
    piece to its holder. Only the home blocks' FLOPs and elements are counted per rank, arithmetically, so a plan of
-   the released model (275,000 blocks over hundreds of ranks) takes about a second.
+   the released model (275,000 blocks over hundreds of ranks) takes a few seconds.
 4. Every rank applies the rows it keeps. Newton–Schulz of one block does not depend on the other blocks batched with
    it, and the transport moves raw bytes, so every rank ends the step with bitwise the single-process update.
 
 :mod:`kimi_k3.newton_schulz_exchange` runs a step of a plan. Inputs travel already cast to the Newton–Schulz dtype,
-the first thing Newton–Schulz does anyway. A plan's ``exchange_bytes(itemsize)`` gives the bytes every rank sends and receives per step (the figure a parallelism planner
-needs); with b bytes per Newton–Schulz element:
+the first thing Newton–Schulz does anyway. A plan's ``exchange_bytes(itemsize)`` gives the bytes every rank sends and
+receives per step (the figure a parallelism planner needs); with b bytes per Newton–Schulz element:
 
 - replicated: an all-gather of the orthogonalised blocks, each rank sending and receiving (N-1)·max_r S_r, where
   S_r = b·Σ rows·cols over the blocks rank r owns: about (N-1)/N of the Muon update, once;

@@ -151,10 +151,10 @@ def test_a_plan_that_disagrees_with_the_sharded_model_is_an_error(monkeypatch, c
 
 
 def test_a_plan_that_places_the_experts_wrongly_is_an_error_naming_the_parameter(monkeypatch, capsys):
-    """Experts taken as plain FSDP2 shards under ep 2: the plan's placements and Newton–Schulz assignment are wrong."""
+    """Experts taken as plain FSDP2 shards under ep 2: the plan's placements are not the sharded model's."""
     one_dim = parallel_plan.planned_placements
-    monkeypatch.setattr(parallel_plan, "planned_placements", lambda spec, layout: one_dim(spec, Layout(
-        layout.world_size, layout.fsdp)))
+    monkeypatch.setattr(parallel_plan, "planned_placements",
+                        lambda expert, layout: one_dim(expert, Layout(layout.world_size, layout.fsdp)))
     assert plan_parallel.main(["--config", "small", "--world-size", "4", "--ep", "2", "--verify"]) == 1
     out = capsys.readouterr().out
     assert "MISMATCH" in out and "experts.gate_up_proj: plan places it ((4,)" in out

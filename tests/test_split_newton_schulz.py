@@ -19,7 +19,13 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils.flop_counter import FlopCounterMode
 
 from configuration_kimi_k3 import KimiK3Config
-from kimi_k3.muon import NS_STEPS, PerHeadMuon, build_param_groups, muon_shapes_and_patterns, newton_schulz_exchange_bytes
+from kimi_k3.muon import (
+    NS_STEPS,
+    PerHeadMuon,
+    build_param_groups,
+    muon_shapes_and_patterns,
+    newton_schulz_exchange_bytes,
+)
 from kimi_k3.parallel_plan import Layout, Setup, make_plan
 from kimi_k3.parallel_verify import fake_process_group
 from kimi_k3.shard_layout import matrix_shape, mesh_holdings
@@ -179,7 +185,7 @@ def test_expert_parallel_blocks_stay_home_and_only_cut_dense_blocks_travel():
                         [tuple(expert_holdings[rank] for rank in range(4)), fsdp_holdings((6, 3), 4)], NS_STEPS)
     assert [len(pieces) for _, _, pieces in plan.cut] == [3]
     owner = plan.cut_owners[0]
-    # Each way, the owner gets two others' 2 x 3 rows (inputs) and sends them back (results); each other holder the same.
+    # Each way, the owner gets two others' 2 x 3 rows (inputs) and sends them back (results); the holders the same.
     assert plan.moved_elements()[owner] == 2 * 2 * 3
     assert sorted(plan.moved_elements()) == [0, 2 * 3, 2 * 3, 2 * 2 * 3]
 
@@ -232,9 +238,10 @@ def test_split_newton_schulz_is_bitwise_the_single_process_update_over_steps_wit
 @pytest.mark.parametrize(("config", "layout"), RUNS)
 def test_measured_traffic_is_what_the_optimizers_plans_give_each_rank(config, layout, launched):
     result = launched[config][layout]
-    assert result["bytes_per_rank"] == [[tuple(planned)] * scenario.STEPS for planned in result["planned_bytes_per_rank"]]
+    planned = result["planned_bytes_per_rank"]
+    assert result["bytes_per_rank"] == [[tuple(rank)] * scenario.STEPS for rank in planned]
     if layout in ("ep", "tp"):
-        assert all(sent > 0 for sent, _ in result["planned_bytes_per_rank"])
+        assert all(sent > 0 for sent, _ in planned)
 
 
 @pytest.mark.distributed
@@ -311,7 +318,9 @@ def test_expert_parallel_run_holds_two_whole_experts_per_rank_on_a_2x2_mesh(expe
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_expert_parallel_newton_schulz_updates_are_bitwise_one_process_over_steps_with_momentum(expert_parallel, replayed):
+def test_expert_parallel_newton_schulz_updates_are_bitwise_one_process_over_steps_with_momentum(
+    expert_parallel, replayed
+):
     _, launched = expert_parallel
     for step, expected in zip(launched["steps"], replayed["weights"]):
         assert step["after"].keys() == expected.keys()
@@ -350,7 +359,8 @@ def test_expert_parallel_traffic_is_the_planners(expert_parallel):
     all-to-alls of every step."""
     config, launched = expert_parallel
     rank_bytes = launched["ranks"][0]["ns_itemsize"]
-    plan = make_plan(config, Layout(4, 4, ep=2), Setup(sequence_length=16, ns_dtype="fp32" if rank_bytes == 4 else "bf16"))
+    setup = Setup(sequence_length=16, ns_dtype="fp32" if rank_bytes == 4 else "bf16")
+    plan = make_plan(config, Layout(4, 4, ep=2), setup)
     expected = [moved * rank_bytes for moved in plan.newton_schulz.moved_elements()]
     assert [rank["given"] for rank in launched["ranks"]] == [[moved] * expert_parallel_scenario.STEPS
                                                             for moved in expected]
