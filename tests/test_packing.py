@@ -18,6 +18,7 @@ from tests.conftest import TINY_CONFIG, tiny_config
 from tests.numerics import assert_as_accurate, perturb_parameters
 from tests.test_fast_paths import HostSyncRecorder
 from tests.test_kda import packed_lengths, starts_of
+from tests.test_modeling import build as build_model
 
 ALL_LAYERS = list(range(1, TINY_CONFIG["num_hidden_layers"] + 1))
 # Which mixers the model is built of, and the attention implementation of its MLA layers.
@@ -30,19 +31,12 @@ MIXERS = {
 KDA_CHUNK = 64  # the chunk size of the model's KDA layers
 
 
-def build(mixers: str, dtype=torch.float32) -> KimiK3ForCausalLM:
+def build(mixers: str) -> KimiK3ForCausalLM:
+    """An fp32 model of ``mixers`` in training mode, with non-trivial AttnRes pseudo-queries and router biases."""
     layers, implementation = MIXERS[mixers]
     config = tiny_config(linear_attn_config={**TINY_CONFIG["linear_attn_config"], **layers})
     config._attn_implementation = implementation
-    model = KimiK3ForCausalLM(config).to(dtype).train()
-    with torch.no_grad():  # non-trivial AttnRes pseudo-queries and router biases
-        for name, param in model.named_parameters():
-            if "res_proj" in name:
-                param.normal_(0, 0.5)
-        for module in model.modules():
-            if hasattr(module, "e_score_correction_bias"):
-                module.e_score_correction_bias.normal_(0, 0.05)
-    return model
+    return build_model(config, dtype=torch.float32).train()
 
 
 def in_float64(model: KimiK3ForCausalLM, perturbation_seed: int | None = None) -> KimiK3ForCausalLM:
