@@ -213,7 +213,7 @@ def packed_document_starts(inputs_embeds, attention_mask, position_ids, packing:
         starts.append(_first_column_false(positions[:, 1:] != positions[:, :-1] + 1))
     if not starts:
         return None
-    return torch.stack(starts).any(0).to(inputs_embeds.device)
+    return torch.stack([marked.to(inputs_embeds.device) for marked in starts]).any(0)
 
 
 def _as_rows(values: torch.Tensor, batch_size: int, seq_len: int, name: str) -> torch.Tensor:

@@ -111,6 +111,18 @@ def test_packed_rows_give_the_logits_loss_and_gradients_of_the_documents_run_one
                            [run["grads"][name] for run in perturbed], name)
 
 
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_activation_checkpointing_recomputes_packed_rows_exactly(use_reentrant):
+    """The document starts reach the recomputed layers: loss and gradients are bitwise those without checkpointing."""
+    rows = [documents_of([5, 1, 30, 7])]
+    model = build("hybrid")
+    plain = run_packed(model, rows, use_cache=False)
+    model.activation_checkpointing_enable({"use_reentrant": use_reentrant})
+    checkpointed = run_packed(model, rows, use_cache=False)
+    assert torch.equal(checkpointed["loss"], plain["loss"]) and checkpointed["grads"].keys() == plain["grads"].keys()
+    assert all(torch.equal(grad, plain["grads"][name]) for name, grad in checkpointed["grads"].items())
+
+
 @pytest.mark.parametrize("use_cache", [False, True])
 def test_packed_kda_layer_gives_the_outputs_and_gradients_of_its_documents_run_one_by_one(use_cache):
     """The layer alone, with a fresh hybrid cache per forward or none: outputs, and the gradients of its input and
