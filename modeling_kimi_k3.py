@@ -1,8 +1,9 @@
 """PyTorch Kimi K3 text model: Kimi Delta Attention + Gated MLA, Block Attention Residuals, Stable LatentMoE.
 
-The file reads top-down like the architecture: norms and SiTU, KDA kernels and layer, Gated MLA, Block Attention
-Residuals, router, experts, LatentMoE block, decoder layer, model. Attribute names are the released checkpoint's
-state-dict names (``moonshotai/Kimi-K3``, ``model.safetensors.index.json``).
+The file reads top-down like the architecture: norms and SiTU, packed documents (where every mixer restarts), KDA
+kernels and layer, Gated MLA, Block Attention Residuals, router, experts, LatentMoE block, decoder layer, model.
+Attribute names are the released checkpoint's state-dict names (``moonshotai/Kimi-K3``,
+``model.safetensors.index.json``).
 
 References: the Kimi K3 technical report (arXiv:2607.24653; "K3 report" below), Kimi Linear (arXiv:2510.26692) and
 flash-linear-attention's ``fla/ops/kda`` for Kimi Delta Attention, DeepSeek-V2 (arXiv:2405.04434) for MLA, Gated
