@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, Dynam
 from kimi_k3.qk_clip import QKClip
 from kimi_k3.quantile_balancing import QuantileBalancingCallback, find_routers
 from kimi_k3.tokenizer import train_bpe_tokenizer
-from modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3ShortConvolution, positions_in_documents, upcast
+from modeling_kimi_k3 import CACHE_FIELD, KimiK3ForCausalLM, KimiK3ShortConvolution, positions_in_documents, upcast
 from tests.conftest import TINY_CONFIG, tiny_config
 from tests.numerics import assert_as_accurate, perturb_parameters
 from tests.test_fast_paths import HostSyncRecorder
@@ -244,7 +244,7 @@ def test_malformed_packing_input_is_refused_in_one_line_naming_the_field(packing
 def test_packed_documents_cannot_continue_a_cache(packing, marker):
     model = build("hybrid").eval()
     with torch.no_grad():
-        cache = model(torch.randint(3, 97, (1, 6)), use_cache=True).past_key_values
+        cache = getattr(model(torch.randint(3, 97, (1, 6)), use_cache=True), CACHE_FIELD)
         with pytest.raises(ValueError, match=f"Packed documents \\({marker}\\) cannot continue a cache"):
             model(torch.randint(3, 97, (1, 3)), cache=cache, **packing)
         continuing = model(torch.randint(3, 97, (1, 3)), cache=cache, position_ids=torch.tensor([[6, 7, 8]]))
