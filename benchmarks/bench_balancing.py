@@ -19,8 +19,8 @@ from transformers import PrinterCallback, ProgressCallback, Trainer, TrainingArg
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
-from kimi_k3.expert_load import PLOT_EXTRA, matplotlib_available, new_figure, plot_max_vio  # noqa: E402
-from kimi_k3.quantile_balancing import QuantileBalancingCallback  # noqa: E402
+from kimi_k3.job.expert_load import PLOT_EXTRA, matplotlib_available, new_figure, plot_max_vio  # noqa: E402
+from kimi_k3.policies.quantile_balancing import QuantileBalancingCallback  # noqa: E402
 from modeling_kimi_k3 import KimiK3ForCausalLM  # noqa: E402
 
 RULES = {

@@ -30,7 +30,7 @@ from torch import nn  # noqa: E402
 from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig  # noqa: E402
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeSparseMoeBlock  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
-from kimi_k3.fused_situ import use_fused_situ  # noqa: E402
+from kimi_k3.kernels.fused_situ import use_fused_situ  # noqa: E402
 from modeling_kimi_k3 import (  # noqa: E402
     KimiK3Experts,
     KimiK3GLUActivation,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout without installing
 
-from kimi_k3.release_format import DEFAULT_MAX_SHARD_BYTES, export_released, import_released  # noqa: E402
+from kimi_k3.checkpoint.release_format import DEFAULT_MAX_SHARD_BYTES, export_released, import_released  # noqa: E402
 
 DIRECTIONS = {"to-release": export_released, "from-release": import_released}
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}

@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout without installing
 
-from kimi_k3 import hub  # noqa: E402
-from kimi_k3.model_card import (  # noqa: E402
+from kimi_k3.publishing import hub  # noqa: E402
+from kimi_k3.publishing.model_card import (  # noqa: E402
     card_for_folder,
     is_our_card,
     license_metadata,

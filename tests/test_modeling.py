@@ -15,8 +15,7 @@ from modeling_kimi_k3 import (
     block_attention_residual,
     situ_and_mul,
 )
-from kimi_k3.qk_clip import QKClip
-from kimi_k3.quantile_balancing import QuantileBalancingCallback
+from kimi_k3.policies.quantile_balancing import QuantileBalancing
 from tests.conftest import tiny_config
 
 
@@ -163,23 +162,6 @@ def test_mla_attention_output_reaches_the_gate_in_fp32_under_bf16_autocast(imple
     assert not torch.equal(gated_inputs[0], gated_inputs[0].bfloat16().float())
 
 
-def test_qk_clip_records_per_head_logit_max_only_in_training():
-    model = build()
-    recorders = QKClip(model, tau=float("inf")).recorders
-    attn = model.model.layers[3].self_attn
-    recorder = recorders[model.config.mla_layer_indices.index(3)]
-    x = torch.randn(2, 7, model.config.hidden_size, dtype=torch.float64)
-    attn(x, attention_mask=causal_mask(7))
-    assert torch.isinf(recorder.maximum).all()
-    attn.train()
-    attn(x, attention_mask=causal_mask(7))
-    q = attn.project_queries(x)
-    keys, _ = attn.expand_key_values(*attn.compress_key_values(x))
-    logits = (q @ keys.transpose(2, 3)) * attn.scaling
-    logits = logits.masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
-    torch.testing.assert_close(recorder.maximum, logits.amax(dim=(0, 2, 3)))
-
-
 # ----------------------------------------------------------------------------------- Block AttnRes (arch §2.2)
 def naive_attn_res(partial, blocks, proj_weight, norm_weight, eps):
     candidates = blocks + [partial]
@@ -323,7 +305,9 @@ def test_router_weights_ignore_the_bias_which_gets_no_gradient():
 
 def test_router_routes_top_k_of_biased_scores_and_weighs_unbiased_ones_in_training():
     model = build(dtype=torch.float32)
-    statistics = QuantileBalancingCallback(model).statistics(model)["layer_1"]
+    balancing = QuantileBalancing(model)
+    balancing.attach()
+    statistics = balancing.statistics["layer_1"]
     gate = model.model.layers[1].block_sparse_moe.gate.train()
     tokens = torch.randn(40, 32)
     _, weights, indices = gate(tokens)
@@ -446,7 +430,9 @@ def test_bf16_load_keeps_precision_critical_tensors_in_fp32(tmp_path):
 @pytest.mark.parametrize("use_reentrant,router_runs", [(False, 2), (True, 1)])
 def test_activation_checkpointing_gives_the_same_gradients(use_reentrant, router_runs):
     model = build(dtype=torch.float32).train()
-    statistics = QuantileBalancingCallback(model).statistics(model)["layer_1"]
+    balancing = QuantileBalancing(model)
+    balancing.attach()
+    statistics = balancing.statistics["layer_1"]
     ids = torch.randint(0, 97, (2, 16))
     model(ids, labels=ids).loss.backward()
     plain = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

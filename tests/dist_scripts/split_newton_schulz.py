@@ -20,8 +20,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.flop_counter import FlopCounterMode
 
 from configuration_kimi_k3 import KimiK3Config
-from kimi_k3.distributed import full_state_dict, shard_decoder_layers
-from kimi_k3.muon import PerHeadMuon
+from kimi_k3.parallel.sharding import full_state_dict, shard_decoder_layers
+from kimi_k3.optim.muon import PerHeadMuon
 from modeling_kimi_k3 import KimiK3ForCausalLM
 
 STEPS = 3
