@@ -897,16 +897,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
         **kwargs,
     ) -> MoeModelOutputWithPast:
         cache = take_cache_argument(cache, kwargs)
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
-        if inputs_embeds is None:
-            self._check_input_ids(input_ids)
-            inputs_embeds = self.embed_tokens(input_ids)
-        if inputs_embeds.ndim != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
-            raise ValueError(
-                f"`inputs_embeds` must have shape [batch, seq_len, {self.config.hidden_size}], "
-                f"got {tuple(inputs_embeds.shape)}."
-            )
+        inputs_embeds = self._input_embeddings(input_ids, inputs_embeds)
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         _check_cache_type(cache)
@@ -948,6 +939,20 @@ class KimiK3Model(KimiK3PreTrainedModel):
             attentions=tuple(attentions) if output_attentions else None,
             **{CACHE_FIELD: cache},
         )
+
+    def _input_embeddings(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+        """The embedded tokens, from exactly one of ``input_ids`` and ``inputs_embeds``, checked."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
+        if inputs_embeds is None:
+            self._check_input_ids(input_ids)
+            inputs_embeds = self.embed_tokens(input_ids)
+        if inputs_embeds.ndim != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
+            raise ValueError(
+                f"`inputs_embeds` must have shape [batch, seq_len, {self.config.hidden_size}], "
+                f"got {tuple(inputs_embeds.shape)}."
+            )
+        return inputs_embeds
 
     def _check_input_ids(self, input_ids: torch.Tensor) -> None:
         if input_ids.ndim != 2 or input_ids.dtype not in (torch.int32, torch.int64):

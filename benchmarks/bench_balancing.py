@@ -2,7 +2,7 @@
 
 Trains the same model (same init, same data order) three times with ``transformers.Trainer`` on byte-level text
 of Python's own documentation (``pydoc_data.topics``) and prints a markdown table of MaxVio over the steps
-(training.md §1.8); writes a PNG when matplotlib is importable.
+(MaxVio: Loss-Free Balancing, arXiv:2408.15664, Eq. 4); writes a PNG when matplotlib is importable.
 
     python benchmarks/bench_balancing.py --steps 100
 """

@@ -1,4 +1,4 @@
-"""Streaming checkpoint conversion (kimi_k3.release_format): time and peak memory of both directions.
+"""Streaming checkpoint conversion (kimi_k3.checkpoint.release_format): time and peak memory of both directions.
 
 Each conversion runs in a fresh process that first converts a small checkpoint (imports, one-off allocations), then
 resets its resident-memory high-water mark (Linux /proc/self/clear_refs) and converts the measured checkpoint; the

@@ -256,7 +256,7 @@ def eager_backward_floor(setting: Setting) -> float:
 def time_experts_only(setting: Setting, repeats: int) -> list[dict]:
     """KimiK3Experts vs Qwen3MoeExperts on the same balanced random routing: identical matmul FLOPs.
 
-    Ours is also run with SiLU in place of SiTU-GLU, which isolates the cost of K3's activation (training.md §3.1).
+    Ours is also run with SiLU in place of SiTU-GLU, which isolates the cost of K3's activation (K3 report §2.3.2 Eq. 12).
     """
     generator = torch.Generator().manual_seed(2)
     tokens = torch.randn(setting.tokens, LATENT, generator=generator).requires_grad_()

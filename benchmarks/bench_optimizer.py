@@ -2,7 +2,7 @@
 
 (a) ``run()`` (part of ``run_all.py``): step time on the default ``KimiK3Config()`` model with fixed random
     gradients, interleaved, as ratios to AdamW measured in the same run:
-    - PerHeadMuon (per-head q/k/v blocks, experts per matrix, AdamW for the rest, training.md §2.4);
+    - PerHeadMuon (per-head q/k/v blocks, experts per matrix, AdamW for the rest, as `build_param_groups` splits them);
     - the same optimizer with whole q/k/v matrices, which isolates the per-head Newton–Schulz cost;
     - torch.optim.Muon(adjust_lr_fn="match_rms_adamw") on the 2-D Muon matrices, AdamW on everything else
       (including the 3-D experts, which torch's Muon rejects);

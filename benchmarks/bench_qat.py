@@ -1,4 +1,4 @@
-"""MXFP4 quantization-aware training vs post-training quantization of the routed experts (kimi_k3.qat).
+"""MXFP4 quantization-aware training vs post-training quantization of the routed experts (kimi_k3.quantization.qat).
 
 Starting from a trained model (the default `kimi-k3-train` run's `model/` folder), fine-tune it on the embedded corpus
 for the same number of steps twice with `kimi-k3-train`: (a) plain, then export to the released layout (post-training

@@ -2,7 +2,7 @@
 
 In training forwards (train mode, grad enabled) the ``RouterStatistics`` hook that ``QuantileBalancing.attach``
 puts on a router counts each valid token's experts and adds its required bias r = α − s to the [n, B] histogram
-(training.md §1.4). The baseline is the same router without the hook; "counts only" is the hook of the sign and
+(K3 report App. D). The baseline is the same router without the hook; "counts only" is the hook of the sign and
 "none" rules. The overhead is (router with hook − router without) / MoE block forward, all timed interleaved in one
 run.
 

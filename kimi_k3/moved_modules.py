@@ -8,7 +8,6 @@ the same objects under both names. The table is the only place that knows the ol
 import importlib
 import importlib.abc
 import importlib.util
-import inspect
 import sys
 import warnings
 
@@ -33,7 +32,7 @@ MOVED_MODULES = {
     "kimi_k3.run_folder": "kimi_k3.checkpoint.run_folder",
     "kimi_k3.split_newton_schulz": "kimi_k3.optim.split_newton_schulz",
     "kimi_k3.tokenizer": "kimi_k3.text.tokenizer",
-    "kimi_k3.train": "kimi_k3.job",
+    "kimi_k3.train": "kimi_k3.job.main",
 }
 
 
@@ -47,8 +46,9 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def create_module(self, spec):
         new_name = MOVED_MODULES[spec.name]
+        # stacklevel counts frames outside the import system: 2 is the import statement, the line to change.
         warnings.warn(f"{spec.name} has moved to {new_name}; import it from there (the old path goes away in the "
-                      "next release)", FutureWarning, stacklevel=import_statement_stacklevel())
+                      "next release)", FutureWarning, stacklevel=2)
         module = importlib.import_module(new_name)
         spec.loader_state = module.__spec__
         return module
@@ -56,16 +56,6 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module):
         # The import system has just given the shared module object the old name's spec; it keeps its own.
         module.__spec__ = module.__spec__.loader_state
-
-
-def import_statement_stacklevel() -> int:
-    """The ``stacklevel`` of the frame that runs the import statement: the frames in between are the import
-    system's, and the warning should point at the line to change."""
-    frame, level = inspect.currentframe().f_back, 1
-    while frame is not None and (frame.f_code.co_filename.startswith("<frozen importlib")
-                                 or frame.f_code.co_filename == __file__):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def install() -> None:

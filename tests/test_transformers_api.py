@@ -134,11 +134,11 @@ BORROWED_API = [
                 lambda: parameters(Trainer._load_best_model) == ["self"]),
     # torch's CPU instruction-set queries: no public API says whether bf16 matmuls are native.
     BorrowedApi("torch.cpu._is_avx512_bf16_supported / torch.cpu._is_amx_tile_supported",
-                "bf16 Newton–Schulz only on CPUs with native bf16 (kimi_k3.precision); a missing query means fp32",
+                "bf16 Newton–Schulz only on CPUs with native bf16 (kimi_k3.optim.precision); a missing query means fp32",
                 lambda: hasattr(torch.cpu, "_is_avx512_bf16_supported") and hasattr(torch.cpu, "_is_amx_tile_supported")),
     # inductor's cache switch: its key omits ATEN_CPU_CAPABILITY, so a restricted process must keep out of the cache.
     BorrowedApi("torch._inductor.config.patch(fx_graph_cache=False)",
-                "kimi_k3.fused_situ.isa_safe_compile_caches: kernels compiled under ATEN_CPU_CAPABILITY=avx2 never "
+                "kimi_k3.kernels.compiled.isa_safe_compile_caches: kernels compiled under ATEN_CPU_CAPABILITY=avx2 never "
                 "reach (or come from) an unrestricted process's cache",
                 lambda: hasattr(importlib.import_module("torch._inductor.config"), "fx_graph_cache")),
 ]

@@ -251,11 +251,11 @@ def check_world_size(training_args: TrainingArguments) -> None:
 def publish_settings(training_args: TrainingArguments) -> Publish | None:
     """Where and how the run ends with a push, checked before any training; ``--hub_model_id`` implies it.
 
-    Trainer's own push is switched off: it would upload checkpoints with the generic card (hf-integration.md §1.5).
+    Trainer's own push is switched off: it would upload checkpoints with the generic card.
     """
     if not (training_args.push_to_hub or training_args.hub_model_id):
         return None
-    token = hub.resolve_token(training_args.hub_token, hub.TRAINING_FLAGS)
+    token = hub.resolve_token(training_args.hub_token)
     repo_id = training_args.hub_model_id or Path(training_args.output_dir).name
     training_args.push_to_hub = False
     return Publish(repo_id, token, training_args.hub_revision, training_args.hub_private_repo)

@@ -1,4 +1,4 @@
-"""A picture of expert load for the model card (training.md §1.8): every MoE layer's token share per routed expert at
+"""A picture of expert load for the model card: every MoE layer's token share per routed expert at
 the first and the last optimizer step of a training job, beside MaxVio over the steps.
 
 The counts come from `QuantileBalancing.latest_loads` (the step's counts, summed over ranks), never from the routers

@@ -162,7 +162,7 @@ def print_report(summary: TrainingSummary, model_dir: Path) -> None:
 
 
 def expert_load_picture(trainer: Trainer, title: str) -> bytes | None:
-    """The card's expert-load picture (`kimi_k3.expert_load`); None for a model without routed experts, or, after one
+    """The card's expert-load picture (`kimi_k3.job.expert_load`); None for a model without routed experts, or, after one
     line saying how to install it, without matplotlib."""
     recorder = next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, ExpertLoadRecorder)), None)
     if recorder is None:

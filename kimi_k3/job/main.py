@@ -161,10 +161,10 @@ def run(trainer, model_args, data_args, blocks, data_description, checkpoint, pu
     if publish:
         try:
             pushed = hub.push_folder(model_dir, publish.repo_id, hub.HfApi(token=publish.token),
-                                     private=publish.private, revision=publish.revision, flags=hub.TRAINING_FLAGS)
+                                     private=publish.private, revision=publish.revision)
         except hub.HubError as error:
             print(f"kimi-k3-train: error: {error}; {model_dir} is saved: publish it with "
-                  f"`python scripts/push_to_hub.py {model_dir} --repo_id {publish.repo_id}`", file=sys.stderr)
+                  f"`kimi-k3-push {model_dir} --hub_model_id {publish.repo_id}`", file=sys.stderr)
             return 1
         print(f"pushed {model_dir} to {pushed}")
     return 0

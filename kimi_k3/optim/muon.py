@@ -1,21 +1,21 @@
 """Per-Head Muon: Muon whose Newton–Schulz step runs on per-head row blocks of the attention projections.
 
-Muon (training.md §2.2) for matrix parameters, AdamW for everything else, in one ``torch.optim.Optimizer`` whose
+Muon (Keller Jordan's Muon; Moonlight, arXiv:2502.16982) for matrix parameters, AdamW for everything else, in one ``torch.optim.Optimizer`` whose
 param groups carry their own ``lr``/``weight_decay``, so one Hugging Face LR schedule drives both halves.
 
 A Muon group may tag its parameters with
 
 - ``head_rows``: the rows of one attention head, an int or a tuple (e.g. ``(k_nope, v)`` for MLA's fused
-  ``kv_b_proj``); every head segment is orthogonalized as its own block (training.md §2.3);
+  ``kv_b_proj``); every head segment is orthogonalized as its own block (Per-Head Muon, K3 report §2.5);
 - ``expert_rows``: for stacked expert tensors ``[E, R, C]``, the rows of one block of each expert's matrix
   (``moe_intermediate_size`` splits the fused ``gate_up_proj`` into the released w1 and w3; ``R`` keeps
   ``down_proj`` whole).
 
 Every block, of every parameter, that has the same shape goes through one batched Newton–Schulz chain.
 
-Under torch.distributed, Newton–Schulz is split across the ranks (:mod:`kimi_k3.split_newton_schulz`): each rank
+Under torch.distributed, Newton–Schulz is split across the ranks (:mod:`kimi_k3.optim.split_newton_schulz`): each rank
 orthogonalises about 1/N of the blocks and the results are exchanged, for replicated (DDP) parameters and for FSDP2
-``DTensor`` shards along dim 0, whose boundaries generally cut through a head block (training.md §2.6). Momentum,
+``DTensor`` shards along dim 0, whose boundaries generally cut through a head block. Momentum,
 decay and AdamW are elementwise and run on the shards as they are. Every rank ends the step with bitwise the
 single-process update. :func:`newton_schulz_exchange_bytes` is the per-step communication of that scheme.
 """
@@ -45,7 +45,7 @@ from kimi_k3.optim.split_newton_schulz import (
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 NS_EPS = 1e-7
-# Moonlight update-RMS matching: 0.2·sqrt(max(rows, cols)) gives an AdamW-like update RMS of ~0.2 (training.md §2.2).
+# Moonlight update-RMS matching: 0.2·sqrt(max(rows, cols)) gives an AdamW-like update RMS of ~0.2 (Moonlight, arXiv:2502.16982).
 MATCH_RMS_ADAMW = 0.2
 
 _KDA_HEAD_PROJS = ("q_proj", "k_proj", "v_proj")
@@ -57,7 +57,7 @@ def zeropower_via_newton_schulz5(blocks, coefficients=NS_COEFFICIENTS, steps=NS_
                                  dtype=torch.bfloat16):
     """Approximate polar factor U·S'·Vᵀ (S' ≈ 1) of every matrix in ``blocks`` [n, rows, cols], computed in ``dtype``.
 
-    Each matrix is Frobenius-normalized on its own, which is what decouples the heads (training.md §2.3). NS5 only
+    Each matrix is Frobenius-normalized on its own, which is what decouples the heads (K3 report §2.5). NS5 only
     needs S' near 1, so bf16 suffices where it is fast; fp32 gives the same update to bf16 tolerance.
     """
     a, b, c = coefficients
@@ -147,7 +147,7 @@ def orthogonalize_whole(updates, patterns, dtypes, orthogonalize):
 def newton_schulz_exchange_bytes(shapes, patterns, world_size, sharded, itemsize=torch.bfloat16.itemsize):
     """(bytes sent, bytes received) per rank and optimizer step by split Newton–Schulz, for Muon parameters of global
     ``shapes`` with block ``patterns`` (``row_pattern`` of their groups; None = whole matrices), replicated (DDP)
-    or dim-0 sharded (FSDP2) over ``world_size`` ranks. See :mod:`kimi_k3.split_newton_schulz` for the scheme.
+    or dim-0 sharded (FSDP2) over ``world_size`` ranks. See :mod:`kimi_k3.optim.split_newton_schulz` for the scheme.
     ``itemsize`` is that of the optimizer's ``ns_dtype``: bf16 (2) by default, fp32 (4) where bf16 is emulated."""
     if sharded:
         return sharded_exchange_bytes(shapes, patterns, world_size, NS_STEPS, itemsize)
@@ -165,7 +165,7 @@ def muon_shapes_and_patterns(param_groups):
 class PerHeadMuon(torch.optim.Optimizer):
     """Muon with per-head Newton–Schulz for groups with ``use_muon=True``, AdamW for the other groups.
 
-    Muon update per block B of shape (r, C) (training.md §2.2-2.3)::
+    Muon update per block B of shape (r, C) (Moonlight's Muon, per head as in K3 report §2.5)::
 
         M <- mu*M + G ;  U = G + mu*M (Nesterov) ;  W <- W*(1 - lr*wd) - lr*0.2*sqrt(max(r, C))*NS5(U_B)
 
@@ -179,7 +179,7 @@ class PerHeadMuon(torch.optim.Optimizer):
     be 15-100x slower; ``"bfloat16"`` or ``"float32"`` force one.
 
     Under an initialised process group of several ranks Newton–Schulz is split across the ranks
-    (:mod:`kimi_k3.split_newton_schulz`), with plain parameters taken as replicated, as DDP keeps them;
+    (:mod:`kimi_k3.optim.split_newton_schulz`), with plain parameters taken as replicated, as DDP keeps them;
     ``split_newton_schulz=False`` makes every rank orthogonalise every block instead (e.g. for parameters that
     differ between ranks). A single process is unaffected.
     """
@@ -208,7 +208,7 @@ class PerHeadMuon(torch.optim.Optimizer):
     def for_model(cls, model, lr=1e-3, weight_decay=0.1, adamw_lr=None, adamw_betas=(0.9, 0.95), adamw_eps=1e-8,
                   momentum=0.95, nesterov=True, split_kv=True, ns_dtype="auto", split_newton_schulz=True,
                   qk_clip_tau=None):
-        """Build the optimizer for a Kimi K3 model with the parameter split of training.md §2.4.
+        """Build the optimizer for a Kimi K3 model with the parameter split of `build_param_groups`.
 
         ``adamw_lr`` defaults to ``lr``: Moonlight RMS matching makes one lr fit both halves. ``split_kv=True``
         (default) orthogonalizes MLA ``kv_b_proj`` as separate K and V blocks per head, because the report
@@ -367,7 +367,7 @@ def _check_group(group):
 
 
 def build_param_groups(model, weight_decay=0.1, adamw_lr=None, split_kv=True):
-    """Param groups of a Kimi K3 model (training.md §2.4); head sizes come from ``model.config``.
+    """Param groups of a Kimi K3 model (K3 report §2.5); head sizes come from ``model.config``.
 
     Muon: every trainable 2-D weight (KDA q/k/v in ``linear_attn_config["head_dim"]`` row blocks; MLA q_b_proj in
     nope+rope blocks; kv_b_proj in (nope, v) or nope+v blocks; the rest whole), and the stacked experts per expert.
@@ -424,7 +424,7 @@ def _group_tag(name, p, config, head_rows):
 
 
 def _require_head_blocks(head_rows, untagged_layer_types):
-    """A config whose KDA/MLA q/k/v were not found would leave Per-Head Muon inert (training.md §5.3.6)."""
+    """A config whose KDA/MLA q/k/v were not found would leave Per-Head Muon inert."""
     missing = sorted(untagged_layer_types - {None})
     if missing:
         names = {layer_type: sorted(head_rows[layer_type]) for layer_type in missing}
@@ -450,7 +450,7 @@ def _refuse_lora_adapters(model) -> None:
 
 class PerHeadMuonFactory:
     """Trainer factory: ``Trainer(optimizer_cls_and_kwargs=(PerHeadMuonFactory, kwargs))`` calls
-    ``PerHeadMuonFactory()(model, **kwargs)`` (hf-integration.md §3.1); kwargs are those of
+    ``PerHeadMuonFactory()(model, **kwargs)``; kwargs are those of
     :meth:`PerHeadMuon.for_model`. Trainer passes a factory the model and these kwargs only, never the
     ``TrainingArguments``, so ``lr`` and ``weight_decay`` must be in kwargs: :meth:`from_training_args` copies them
     (and the AdamW betas and epsilon) from the arguments."""

@@ -2,11 +2,11 @@
 
 Data-parallel training (DDP through ``Trainer``/``accelerate``) needs nothing from this module: the model keeps its
 router statistics in buffers, so ``TrainingArguments(ddp_broadcast_buffers=False)`` plus the one SUM all-reduce of
-``QuantileBalancingCallback`` keep every rank's bias identical (hf-integration.md §3.3, training.md §1.10).
+Quantile Balancing keep every rank's bias identical.
 
-FSDP2 stores every parameter as a ``DTensor`` sharded along dim 0. :class:`~kimi_k3.muon.PerHeadMuon` (and so
+FSDP2 stores every parameter as a ``DTensor`` sharded along dim 0. :class:`~kimi_k3.optim.muon.PerHeadMuon` (and so
 ``PerHeadMuonFactory`` in ``Trainer``) takes such parameters as they are: it all-gathers each Muon update before
-Newton–Schulz, whose head blocks a shard boundary would otherwise cut (training.md §2.6); its QK-Clip scales the
+Newton–Schulz, whose head blocks a shard boundary would otherwise cut; QK-Clip scales the
 rows of each rank's shard.
 
 Two ways to shard: :func:`shard_decoder_layers` on a model built in memory (what ``accelerate``'s FSDP2 plugin does

@@ -1,4 +1,4 @@
-"""Load-balance metrics for routed experts (training.md §1.8).
+"""Load-balance metrics for routed experts (MaxVio and CV as in Loss-Free Balancing, arXiv:2408.15664).
 
 All metrics are ratios to the ideal load ℓ̄ = mk/n = mean_j ℓ_j, so they are unchanged when every count is
 scaled by the same factor (e.g. a layer recomputed under activation checkpointing counts its tokens twice).

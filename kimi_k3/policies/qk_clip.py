@@ -1,4 +1,4 @@
-"""QK-Clip for Kimi K3's MLA layers (training.md §2.5): keep every head's max attention logit at or below tau.
+"""QK-Clip for Kimi K3's MLA layers (MuonClip of the Kimi K2 report, arXiv:2507.20534, which K3 keeps): keep every head's max attention logit at or below tau.
 
 The model records nothing: :class:`LogitMaxRecorder`, which ``QKClip.attach`` sets as every MLA layer's
 ``query_key_observer``, keeps each head's running max S_h of the pre-softmax logits over the training forwards of a step.

@@ -1,4 +1,4 @@
-"""Quantile Balancing (QB), the router-bias update of Kimi K3 (training.md §1).
+"""Quantile Balancing (QB), the router-bias update of Kimi K3 (K3 report §2.3.3 Eq. 14, App. C-D).
 
 The model records nothing. :class:`RouterStatistics`, a forward hook `QuantileBalancing.attach` puts on every
 router, keeps what the update needs from training forwards: token counts per expert and, for every real
@@ -8,7 +8,7 @@ the policy pools the statistics of all layers with a single SUM all-reduce, solv
 r_{:,j}, mean-centers it and writes it into ``gate.e_score_correction_bias``. `QuantileBalancingCallback` only
 attaches it for a ``Trainer`` run and logs its metrics.
 
-Sign convention (training.md §1.2): routing is top-k of s + b, so b = −β of App. C, and a popular expert
+Sign convention (K3 report Eq. 13-14): routing is top-k of s + b, so b = −β of App. C, and a popular expert
 ends up with a *negative* bias.
 """
 
@@ -29,14 +29,14 @@ ESTIMATORS = ("histogram", "exact")
 
 
 # ---------------------------------------------------------------------------------------------------------
-# What is recorded (training.md §1.4): the required biases r and their histogram per expert
+# What is recorded (K3 report App. D): the required biases r and their histogram per expert
 # ---------------------------------------------------------------------------------------------------------
 
 
 def required_bias(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Routes (top-k of s + b) and the required bias r = α − s of every expert, from one top-(k+1): the reference.
 
-    α, the (k+1)-th biased score, is the cutoff an expert has to beat to enter the token's top-k (§1.2).
+    α, the (k+1)-th biased score, is the cutoff an expert has to beat to enter the token's top-k (Eq. 14).
     """
     top = torch.topk(scores + bias, top_k + 1, dim=-1)
     cutoff = top.values[..., top_k:]
@@ -76,7 +76,7 @@ class RouterStatistics:
     Always the real tokens routed to each expert (``tokens_per_expert`` [n]); with ``estimator="histogram"`` also the
     histogram [n, B] of r, with ``"exact"`` every r [m, n] (the single-process reference). Only forwards in training
     mode with gradients record, so evaluation and generation never count; the recompute of activation checkpointing
-    records again, to which the quantile and the metrics are invariant (§1.6.4).
+    records again, to which the quantile and the metrics are invariant.
     """
 
     def __init__(self, router: nn.Module, padding: PaddingTracker, estimator: str | None, num_bins: int):
@@ -128,12 +128,12 @@ class RouterStatistics:
 def histogram_quantile(
     hist: torch.Tensor, bias: torch.Tensor, top_k: int, *, interpolate: bool = True
 ) -> torch.Tensor:
-    """Uncentered b̂_j = (k/n)-quantile of r_{:,j} read from pooled counts [..., n, B] (App. D, §1.4).
+    """Uncentered b̂_j = (k/n)-quantile of r_{:,j} read from pooled counts [..., n, B] (K3 report App. D).
 
     q = m·k/n takes m from the histogram's own total, so a duplicated forward (activation-checkpointing
-    recompute) scales q, c and h alike and leaves b̂ unchanged (§1.6.4). ``bias`` [..., n] must be the bias
+    recompute) scales q, c and h alike and leaves b̂ unchanged. ``bias`` [..., n] must be the bias
     the counts were binned with. ``interpolate=False`` snaps to the left bin edge, an ablation that locks the
-    update (§1.6.2). Meaningless for an empty histogram; ``solve_bias_from_histogram`` guards that.
+    update. Meaningless for an empty histogram; ``solve_bias_from_histogram`` guards that.
     """
     num_experts, num_bins = hist.shape[-2:]
     hist = hist.long()
@@ -148,9 +148,9 @@ def histogram_quantile(
 
 
 def exact_quantile(required_bias: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Uncentered b̂_j = the (q+1)-th smallest r_{:,j}, i.e. −(the (q+1)-th largest margin), q = ⌊mk/n⌋ (§1.2).
+    """Uncentered b̂_j = the (q+1)-th smallest r_{:,j}, i.e. −(the (q+1)-th largest margin), q = ⌊mk/n⌋ (Eq. 14).
 
-    With this b̂_j at most q tokens have s + b̂ > α, and at least q + 1 have s + b̂ ≥ α (§5.2.3).
+    With this b̂_j at most q tokens have s + b̂ > α, and at least q + 1 have s + b̂ ≥ α.
     """
     num_tokens, num_experts = required_bias.shape
     rank = min(num_tokens * top_k // num_experts + 1, num_tokens)
@@ -158,9 +158,9 @@ def exact_quantile(required_bias: torch.Tensor, top_k: int) -> torch.Tensor:
 
 
 def center_bias(bias_hat: torch.Tensor, bias: torch.Tensor, ema: float) -> torch.Tensor:
-    """Mean-centered new bias, optionally an EMA with the old one (§1.4).
+    """Mean-centered new bias, optionally an EMA with the old one (App. D).
 
-    A common offset cannot change any top-k decision because every cutoff moves with it (§1.2).
+    A common offset cannot change any top-k decision because every cutoff moves with it.
     """
     new = bias_hat - bias_hat.mean(-1, keepdim=True)
     if ema:
@@ -172,29 +172,29 @@ def center_bias(bias_hat: torch.Tensor, bias: torch.Tensor, ema: float) -> torch
 def solve_bias_from_histogram(
     hist: torch.Tensor, bias: torch.Tensor, top_k: int, *, ema: float = 0.0, interpolate: bool = True
 ) -> torch.Tensor:
-    """New bias from stacked histograms [L?, n, B]; a layer whose histogram is empty keeps its bias (§1.6.6)."""
+    """New bias from stacked histograms [L?, n, B]; a layer whose histogram is empty keeps its bias."""
     new = center_bias(histogram_quantile(hist, bias, top_k, interpolate=interpolate), bias, ema)
     empty = hist.sum((-2, -1)) == 0
     return torch.where(empty[..., None], bias, new)
 
 
 def solve_bias_exact(required_bias: torch.Tensor, bias: torch.Tensor, top_k: int, *, ema: float = 0.0) -> torch.Tensor:
-    """New bias from all required biases [m, n] of the step; no token means no update (§1.6.6)."""
+    """New bias from all required biases [m, n] of the step; no token means no update."""
     if required_bias.shape[0] == 0:
         return bias.clone()
     return center_bias(exact_quantile(required_bias, top_k), bias, ema)
 
 
 def sign_update(bias: torch.Tensor, tokens_per_expert: torch.Tensor, gamma: float) -> torch.Tensor:
-    """DeepSeek loss-free balancing b += γ·sign(ℓ̄ − ℓ): SignSGD on QB's dual, kept as a baseline (§1.3)."""
+    """DeepSeek loss-free balancing b += γ·sign(ℓ̄ − ℓ): SignSGD on QB's dual, kept as a baseline (App. C)."""
     load = tokens_per_expert.to(bias.dtype)
     return bias + gamma * torch.sign(load.mean(-1, keepdim=True) - load)
 
 
 def all_reduce_sum(tensors: list[torch.Tensor], group=None) -> list[torch.Tensor]:
-    """Sum integer statistics over ranks with one collective for all of them (§1.7).
+    """Sum integer statistics over ranks with one collective for all of them (App. D).
 
-    Every rank must call this every step, even with all-zero statistics, or the collective hangs (§1.10).
+    Every rank must call this every step, even with all-zero statistics, or the collective hangs.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return tensors
@@ -251,7 +251,7 @@ def _check_routers(routers: dict[str, nn.Module]) -> None:
 
 
 def _check_quantile_balancing_applies(config, routers: dict[str, nn.Module]) -> None:
-    """QB needs sigmoid scores and a free top-(k+1) over all experts (training.md §1.6.8)."""
+    """QB needs sigmoid scores and a free top-(k+1) over all experts (the histogram range and the cutoff both assume them)."""
     activation = getattr(config, "moe_router_activation_func", "sigmoid")
     if activation != "sigmoid":
         raise ValueError(
@@ -274,11 +274,11 @@ def _check_quantile_balancing_applies(config, routers: dict[str, nn.Module]) -> 
 
 
 class QuantileBalancing:
-    """Updates every router bias of ``model`` once per optimizer step and computes load-balance metrics (§1.10).
+    """Updates every router bias of ``model`` once per optimizer step and computes load-balance metrics.
 
     ``attach(optimizer)`` puts a `RouterStatistics` hook on every router and runs `update` after each step of
     ``optimizer``: after the last micro-batch's forward and backward (so with gradient accumulation there is exactly
-    one update per optimizer step) and before the next step's first forward (causality, §1.2). Any optimizer, any
+    one update per optimizer step) and before the next step's first forward (causality: a token's routes never depend on its own step). Any optimizer, any
     training loop: under ``Trainer`` a checkpoint saved at step t then holds the bias step t + 1 routes with, and
     resuming continues exactly.
 
@@ -290,7 +290,7 @@ class QuantileBalancing:
         estimator: "histogram" (default) or "exact", which keeps every r of the step and is a single-process
             reference.
         num_bins: histogram bins B of the required bias (K3 report Eq. 14); 1000 by default.
-        ema: decay of an exponential moving average of the solved bias, in [0, 1); 0 disables it (§1.4).
+        ema: decay of an exponential moving average of the solved bias, in [0, 1); 0 disables it (App. D).
         sign_gamma: step size γ of the sign rule (DeepSeek-V3 uses 1e-3).
         per_layer_metrics: also report ``balance/layer_{i}/...`` besides the aggregates over layers.
         process_group: group the token stream is sharded over (default: WORLD when torch.distributed is up).

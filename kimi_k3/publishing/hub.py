@@ -1,13 +1,13 @@
 """Publish a saved model folder with the standard hub client: ``create_repo``, ``create_branch``, then ``upload_folder``.
 
 Uploading the folder as it is keeps our README.md; ``model.push_to_hub`` would overwrite it with the hub's card or
-the generic template (hf-integration.md §1.5). A push that fails on the network or on the token ends in one `HubError`
-whose message names the cause and the fix, in the flags of the command that pushed.
+the generic template. A push that fails on the network or on the token ends in one `HubError` whose message names the
+cause and the fix, in the options both commands that push share (``kimi-k3-push`` and ``kimi-k3-train``, spelled as
+``TrainingArguments`` spells them).
 """
 
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NamedTuple
 
 from huggingface_hub import HfApi, ModelCard, constants, get_session, get_token
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
@@ -24,16 +24,7 @@ REQUIRED_FILES = (
 PULL_REQUEST_REF = "refs/pr/"
 
 
-class HubFlags(NamedTuple):
-    """The command-line flags a hint names: each command that pushes has its own."""
-
-    token: str
-    repo_id: str
-    timeout: str | None
-
-
-PUSH_SCRIPT_FLAGS = HubFlags(token="--token", repo_id="--repo_id", timeout="--timeout")
-TRAINING_FLAGS = HubFlags(token="--hub_token", repo_id="--hub_model_id", timeout=None)
+TOKEN_OPTION, REPO_OPTION, TIMEOUT_OPTION = "--hub_token", "--hub_model_id", "--timeout"
 
 
 class HubError(ValueError):
@@ -49,12 +40,12 @@ def check_online() -> None:
         raise HubError(OFFLINE_MESSAGE)
 
 
-def resolve_token(token: str | None = None, flags: HubFlags = PUSH_SCRIPT_FLAGS) -> str:
+def resolve_token(token: str | None = None) -> str:
     """The explicit token, else HF_TOKEN or the stored login; checked before training so a run never ends unpushed."""
     token = token or get_token()
     if not token:
         raise HubError(
-            f"pushing to the hub needs a token: pass {flags.token}, set HF_TOKEN, or log in with `hf auth login`"
+            f"pushing to the hub needs a token: pass {TOKEN_OPTION}, set HF_TOKEN, or log in with `hf auth login`"
         )
     return token
 
@@ -90,7 +81,6 @@ def push_folder(
     revision: str | None = None,
     create_pr: bool = False,
     timeout: float | None = None,
-    flags: HubFlags = PUSH_SCRIPT_FLAGS,
 ) -> str:
     """Create (or reuse) ``repo_id`` and upload the model files of ``folder``; returns where they went.
 
@@ -100,7 +90,7 @@ def push_folder(
     """
     folder = Path(folder)
     check_publishable(folder)
-    with failures_explained(api, repo_id, timeout, flags):
+    with failures_explained(api, repo_id, timeout):
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
         if revision is not None and not revision.startswith(PULL_REQUEST_REF):
             api.create_branch(repo_id, branch=revision, exist_ok=True)
@@ -117,7 +107,7 @@ def push_folder(
 
 
 @contextmanager
-def failures_explained(api: HfApi, repo_id: str, timeout: float | None, flags: HubFlags):
+def failures_explained(api: HfApi, repo_id: str, timeout: float | None):
     """Turn the client's network, offline-mode and HTTP errors into one-line `HubError`s, within ``timeout``."""
     session = get_session()
     previous = session.timeout
@@ -128,9 +118,9 @@ def failures_explained(api: HfApi, repo_id: str, timeout: float | None, flags: H
     except OfflineModeIsEnabled:
         raise HubError(OFFLINE_MESSAGE) from None
     except HfHubHTTPError as error:
-        raise HubError(http_failure(error, repo_id, flags)) from None
+        raise HubError(http_failure(error, repo_id)) from None
     except Exception as error:
-        message = transport_failure(error, api.endpoint, timeout, flags)
+        message = transport_failure(error, api.endpoint, timeout)
         if message is None:
             raise
         raise HubError(message) from None
@@ -138,30 +128,31 @@ def failures_explained(api: HfApi, repo_id: str, timeout: float | None, flags: H
         session.timeout = previous
 
 
-def http_failure(error: HfHubHTTPError, repo_id: str, flags: HubFlags) -> str:
+def http_failure(error: HfHubHTTPError, repo_id: str) -> str:
     status = error.response.status_code if error.response is not None else None
     if status == 401:
         return (
-            f"the hub rejected the token (401 Unauthorized): pass a valid one with {flags.token}, set HF_TOKEN, or "
+            f"the hub rejected the token (401 Unauthorized): pass a valid one with {TOKEN_OPTION}, set HF_TOKEN, or "
             "log in again with `hf auth login`"
         )
     if status == 403:
         return (
             f"the token may not write to {repo_id} (403 Forbidden): pass a token with write access to that namespace "
-            f"with {flags.token}, or push to a repository of your own with {flags.repo_id}"
+            f"with {TOKEN_OPTION}, or push to a repository of your own with {REPO_OPTION}"
         )
     detail = (error.server_message or str(error)).strip().splitlines()
     return f"the hub refused the push to {repo_id} (HTTP {status}): {detail[0] if detail else type(error).__name__}"
 
 
-def transport_failure(error: Exception, endpoint: str, timeout: float | None, flags: HubFlags) -> str | None:
-    """The message for a connection that failed or timed out, else None.
+def transport_failure(error: Exception, endpoint: str, timeout: float | None) -> str | None:
+    """The message for a connection that failed or timed out, else None (the command that set a ``timeout`` takes a
+    longer one with ``--timeout``).
 
     Matched by class name: the client raises httpx's classes (huggingface_hub 1.x) or those of its fork httpx2 (2.x).
     """
     kinds = {cls.__name__ for cls in type(error).__mro__}
     if "TimeoutException" in kinds:
-        longer = f", or allow more with {flags.timeout}" if flags.timeout else ""
+        longer = f", or allow more with {TIMEOUT_OPTION}" if timeout is not None else ""
         within = f" within {timeout:g} s" if timeout is not None else ""
         return f"the hub at {endpoint} did not answer{within}: check the connection and rerun{longer}"
     if "TransportError" in kinds:

@@ -1,7 +1,7 @@
 """Our own model card (``README.md``) for a trained Kimi K3 folder.
 
 ``model.push_to_hub`` would replace README.md with the hub's card or the generic "Model Card for Model ID" template
-(hf-integration.md §1.5), so the card is rendered here from the package's ``templates/model_card.md`` and uploaded
+so the card is rendered here from the package's ``templates/model_card.md`` and uploaded
 with the folder.
 
 Its YAML header follows the hub's rules for model metadata: a license identifier (or ``other`` with a name and a
@@ -39,7 +39,7 @@ BALANCE_COLUMNS = {
     "dead_experts": "dead experts",
     "bias_range": "bias range",
 }
-# The released checkpoint (architecture.md). The spec does not state its license, so a derivative points at the
+# The released checkpoint. Its license is not stated in the report, so a derivative points at the
 # release's own LICENSE file instead of naming terms (K2, for one, shipped a modified MIT licence as `other`).
 K3_RELEASE = "moonshotai/Kimi-K3"
 K3_RELEASE_LICENSE = {

@@ -1,4 +1,4 @@
-"""Released Kimi-K3 checkpoint layout (architecture.md §1.1, §3.1-3.3): MXFP4, export, strict loading, conversion."""
+"""Released Kimi-K3 checkpoint layout (the release's config.json and index): MXFP4, export, strict loading, conversion."""
 
 import json
 import logging
@@ -26,7 +26,7 @@ from checkpoint_format_kimi_k3 import (
 )
 from kimi_k3.checkpoint.release_format import export_released, import_released
 from modeling_kimi_k3 import KimiK3Experts, KimiK3ForCausalLM
-from scripts.convert_checkpoint import main as convert_main
+from kimi_k3.checkpoint.convert import main as convert_main
 from tests.conftest import tiny_config
 
 # Experts need input widths that are multiples of the MXFP4 group (32).
@@ -86,8 +86,21 @@ def representable(tmp_path_factory, ids) -> Exported:
     model = mxfp4_representable_(KimiK3ForCausalLM(tiny_config(**MXFP4_SHAPES))).eval()
     ours, released = tmp_path_factory.mktemp("ours"), tmp_path_factory.mktemp("released")
     model.save_pretrained(ours)
-    convert_main(["to-release", str(ours), str(released), "--max-shard-size", "20KB", "--no-progress"])
+    convert_main(["to-release", str(ours), str(released), "--max_shard_size", "20KB", "--no_progress"])
     return Exported(model(ids).logits, ours, released)
+
+
+def test_convert_options_spelled_as_before_work_for_one_release_naming_the_new_spelling(representable, tmp_path,
+                                                                                        capsys):
+    old = ["from-release", str(representable.released), str(tmp_path / "ours"), "--max-shard-size=30KB", "--no-progress"]
+    assert convert_main(old) == 0
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "kimi-k3-convert: warning: --max-shard-size is now spelled --max_shard_size; the old spelling goes away in the "
+        "next release",
+        "kimi-k3-convert: warning: --no-progress is now spelled --no_progress; the old spelling goes away in the next "
+        "release",
+    ]
+    assert len(list((tmp_path / "ours").glob("*.safetensors"))) > 1  # 30 KB shards
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -191,7 +204,7 @@ def test_export_of_non_representable_experts_has_bounded_logit_error(ids, tmp_pa
     torch.manual_seed(0)
     model = KimiK3ForCausalLM(tiny_config(**MXFP4_SHAPES)).eval()  # experts ~ N(0, 0.02)
     model.save_pretrained(tmp_path / "ours")
-    convert_main(["to-release", str(tmp_path / "ours"), str(tmp_path / "released"), "--no-progress"])
+    convert_main(["to-release", str(tmp_path / "ours"), str(tmp_path / "released"), "--no_progress"])
     reference = model(ids).logits
     error = (KimiK3ForCausalLM.from_pretrained(tmp_path / "released")(ids).logits - reference).abs().max().item()
     relative = error / reference.abs().max().item()
@@ -202,10 +215,10 @@ def test_export_of_non_representable_experts_has_bounded_logit_error(ids, tmp_pa
 
 def test_export_refuses_expert_widths_that_are_not_multiples_of_32_in_one_line(tmp_path, capsys):
     KimiK3ForCausalLM(tiny_config()).save_pretrained(tmp_path / "ours")  # latent width 24
-    assert convert_main(["to-release", str(tmp_path / "ours"), str(tmp_path / "released"), "--no-progress"]) == 2
+    assert convert_main(["to-release", str(tmp_path / "ours"), str(tmp_path / "released"), "--no_progress"]) == 2
     err = capsys.readouterr().err
     line = err.strip().splitlines()[-1]
-    assert "Traceback" not in err and re.fullmatch(r"convert_checkpoint.py: error: .*experts\.0\.w1\.weight has 24 input features.*multiple of 32.*", line)
+    assert "Traceback" not in err and re.fullmatch(r"kimi-k3-convert: error: .*experts\.0\.w1\.weight has 24 input features.*multiple of 32.*", line)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["ours"]  # no target, no staging folder
 
 
@@ -328,7 +341,7 @@ def test_released_configuration_on_meta_has_the_released_text_key_set():
         for name, shape in checkpoint_shapes(model).items()
         for key, shape in released_tensor_shapes(name, shape, config).items()
     }
-    assert len(released) == 497_220 - 168  # the released index without its vision tower and projector (§3.1)
+    assert len(released) == 497_220 - 168  # the released index without its vision tower and projector
     assert sum(key.endswith(".weight_packed") for key in released) == 92 * 896 * 3
     expected = {
         "language_model.model.embed_tokens.weight": (163840, 7168),
@@ -351,7 +364,7 @@ def test_released_configuration_on_meta_has_the_released_text_key_set():
     expert_bytes = sum(
         torch.Size(shape).numel() for key, shape in released.items() if f"{PREFIX}.1.block_sparse_moe.experts.0." in key
     )
-    assert expert_bytes == 17_547_264  # per expert on disk (§3.3)
+    assert expert_bytes == 17_547_264  # per expert on disk
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -406,9 +419,9 @@ def test_from_release_conversion_refuses_non_finite_scales_and_writes_nothing(re
 def test_failed_conversion_prints_one_line_and_leaves_no_partial_target(representable, tmp_path, capsys):
     folder = shutil.copytree(representable.released, tmp_path / "released")
     edit_shard_holding(folder, SCALE, _fill_scale(SCALE, 0, 255))
-    assert convert_main(["from-release", str(folder), str(tmp_path / "ours"), "--no-progress"]) == 2
+    assert convert_main(["from-release", str(folder), str(tmp_path / "ours"), "--no_progress"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("convert_checkpoint.py: error: Refusing the checkpoint") and SCALE in line
+    assert line.startswith("kimi-k3-convert: error: Refusing the checkpoint") and SCALE in line
     assert sorted(path.name for path in tmp_path.iterdir()) == ["released"]
 
 
@@ -421,8 +434,8 @@ def test_conversion_failing_midway_removes_its_staging_folder(representable, tmp
 
     monkeypatch.setattr(release_format, "save_file", disk_full)
     (tmp_path / "empty").mkdir()
-    assert convert_main(["from-release", str(representable.released), str(tmp_path / "empty"), "--no-progress"]) == 2
-    assert capsys.readouterr().err.strip() == "convert_checkpoint.py: error: [Errno 28] No space left on device"
+    assert convert_main(["from-release", str(representable.released), str(tmp_path / "empty"), "--no_progress"]) == 2
+    assert capsys.readouterr().err.strip() == "kimi-k3-convert: error: [Errno 28] No space left on device"
     assert sorted(path.name for path in tmp_path.iterdir()) == ["empty"] and not any((tmp_path / "empty").iterdir())
 
 
@@ -452,7 +465,7 @@ def test_converted_folders_carry_the_code_and_reload_with_trust_remote_code_in_a
     representable, ids, tmp_path
 ):
     ours = tmp_path / "ours"
-    assert convert_main(["from-release", str(representable.released), str(ours), "--no-progress"]) == 0
+    assert convert_main(["from-release", str(representable.released), str(ours), "--no_progress"]) == 0
     code = {"checkpoint_format_kimi_k3.py", "configuration_kimi_k3.py", "modeling_kimi_k3.py"}
     for folder in (representable.released, ours):
         assert code <= {path.name for path in folder.iterdir()}

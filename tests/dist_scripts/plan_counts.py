@@ -4,7 +4,7 @@ Launched as ``torchrun --nproc_per_node 2 tests/dist_scripts/plan_counts.py WORK
 with ``WORK/initial`` a saved default-config model. Two runs, each one training step (forward, backward, optimizer
 step, Quantile Balancing update) on one micro-batch per rank:
 
-- ``fsdp``: :func:`kimi_k3.distributed.shard_decoder_layers`, then Per-Head Muon;
+- ``fsdp``: :func:`kimi_k3.parallel.sharding.shard_decoder_layers`, then Per-Head Muon;
 - ``expert_parallel``: ``from_pretrained`` with ``DistributedConfig(fsdp_size=2, ep_size=2)``, then Per-Head Muon.
 
 Rank 0 writes, per run, the elements it holds (parameters, gradients, optimizer state, buffers) and the payload bytes

@@ -362,7 +362,7 @@ def test_run_without_matplotlib_or_network_says_so_once_and_keeps_the_model(trai
     assert "expert_load.png" not in (tmp_path / "run" / "model" / "README.md").read_text()
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("kimi-k3-train: error: cannot push while HF_HUB_OFFLINE is set")
-    assert error.endswith(f"`python scripts/push_to_hub.py {tmp_path / 'run' / 'model'} --repo_id someone/tiny`")
+    assert error.endswith(f"`kimi-k3-push {tmp_path / 'run' / 'model'} --hub_model_id someone/tiny`")
 
 
 def test_card_language_defaults_to_english_for_the_embedded_corpus_only(tmp_path):

@@ -267,7 +267,7 @@ def test_two_process_checkpoint_loads_and_resumes_in_one_process(two_processes, 
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# MXFP4 quantization-aware training (kimi_k3.qat) under DDP and FSDP2
+# MXFP4 quantization-aware training (kimi_k3.quantization.qat) under DDP and FSDP2
 # ---------------------------------------------------------------------------------------------------------------------
 def test_qat_under_ddp_and_fsdp2_equals_single_process(two_processes, work, config):
     qat = scenarios.qat_config(config)

@@ -28,7 +28,7 @@ from kimi_k3.policies.quantile_balancing import (
 from modeling_kimi_k3 import KimiK3ForCausalLM
 
 # ---------------------------------------------------------------------------------------------------------
-# Synthetic router of training.md §5.1: z_ij = μ_j + u_i·v_j + 0.5·ε_ij, s = σ(z)
+# A synthetic router: z_ij = μ_j + u_i·v_j + 0.5·ε_ij, s = σ(z)
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -56,7 +56,7 @@ def loads(routes: torch.Tensor, num_experts: int) -> torch.Tensor:
 def balance_stream(update, batches: list[torch.Tensor]) -> list[dict]:
     """Route each fresh batch with the current bias, measure it, then update the bias from that same batch.
 
-    Causal as in training: the bias solved from batch t is first used for batch t + 1 (§1.2).
+    Causal as in training: the bias solved from batch t is first used for batch t + 1.
     """
     bias = torch.zeros(SYNTHETIC_N)
     history = []
@@ -113,7 +113,7 @@ def small_batch(m=512, n=16, k=3, seed=0):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Solve functions (training.md §5.2)
+# Solve functions
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -144,7 +144,7 @@ def test_exact_bias_puts_q_tokens_above_the_old_cutoffs():
     above = (scores + bias_hat > cutoff).sum(0)
     at_or_above = (scores + bias_hat >= cutoff).sum(0)
     assert (above <= q).all() and (at_or_above >= q + 1).all()
-    # Tokens whose (k+1)-th choice is expert j have r = b_j up to rounding (an atom, §1.6.1); off the atom
+    # Tokens whose (k+1)-th choice is expert j have r = b_j up to rounding (an atom); off the atom
     # the count is exact.
     off_atom = (bias_hat - bias).abs() > 1e-6
     assert off_atom.sum() >= 4
@@ -283,7 +283,7 @@ def test_aggregate_over_layers_reports_worst_layer_and_mean():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Synthetic-router convergence (training.md §5.1 Table A, §5.2.6-8)
+# Synthetic-router convergence
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -308,7 +308,7 @@ def test_histogram_with_1000_bins_balances_like_exact_and_100_bins_worse(streams
 
 
 def test_left_edge_snapping_balances_worse_than_interpolation(streams, batches):
-    """§1.6.2: without in-bin interpolation the update is piecewise constant in the counts and locks."""
+    """Without in-bin interpolation the update is piecewise constant in the counts and locks."""
     interpolated = steady_cv(streams["hist100"])
     snapped = steady_cv(balance_stream(qb_histogram(100, interpolate=False), batches[:20]))
     assert snapped > 2 * interpolated

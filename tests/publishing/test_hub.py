@@ -153,7 +153,7 @@ def test_push_script_publishes_checkpoint_with_new_card_and_without_trainer_stat
     shutil.copytree(pushed[0] / "checkpoint-2", checkpoint)
     assert {"optimizer.pt", "rng_state.pth", "trainer_state.json"} <= {path.name for path in checkpoint.iterdir()}
 
-    assert push_script_main()([str(checkpoint), "--repo_id", "someone/checkpoint", "--private"]) == 0
+    assert push_script_main()([str(checkpoint), "--hub_model_id", "someone/checkpoint", "--hub_private_repo"]) == 0
     remote = fake_hub.root / "someone" / "checkpoint"
     assert {path.name for path in remote.iterdir()} == MODEL_FILES
     assert fake_hub.calls[0] == ("create_repo", {"private": True, "exist_ok": True})
@@ -190,14 +190,14 @@ def test_push_script_without_token_exits_nonzero_naming_offline_mode_first_and_w
 
     # No token would help while offline mode refuses every push, so that comes first.
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    assert push_script_main()([str(checkpoint), "--repo_id", REPO_ID]) == 2
+    assert push_script_main()([str(checkpoint), "--hub_model_id", REPO_ID]) == 2
     error = capsys.readouterr().err
-    assert error == "push_to_hub: error: cannot push while HF_HUB_OFFLINE is set: unset it (or set HF_HUB_OFFLINE=0) and rerun\n"
+    assert error == "kimi-k3-push: error: cannot push while HF_HUB_OFFLINE is set: unset it (or set HF_HUB_OFFLINE=0) and rerun\n"
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    assert push_script_main()([str(checkpoint), "--repo_id", REPO_ID]) == 2
+    assert push_script_main()([str(checkpoint), "--hub_model_id", REPO_ID]) == 2
     error = capsys.readouterr().err
-    assert "needs a token: pass --token, set HF_TOKEN" in error and "--hub_token" not in error
+    assert "needs a token: pass --hub_token, set HF_TOKEN" in error
     assert sorted(path.name for path in checkpoint.iterdir()) == before
 
 
@@ -208,7 +208,7 @@ def test_push_script_publishes_the_card_under_the_repo_id_it_pushes_to(fake_hub,
     local = ModelCard.load(tmp_path / "run" / "model" / "README.md")
     assert local.data.model_name == "run" and 'from_pretrained("path/to/model"' in local.text
 
-    assert push_script_main()([str(tmp_path / "run" / "model"), "--repo_id", "someone/renamed"]) == 0
+    assert push_script_main()([str(tmp_path / "run" / "model"), "--hub_model_id", "someone/renamed"]) == 0
     card = ModelCard.load(fake_hub.root / "someone" / "renamed" / "README.md")
     assert card.data.model_name == "someone/renamed" and "\n# someone/renamed\n" in card.text
     assert card.text.count('from_pretrained("someone/renamed", trust_remote_code=True)') == 2
@@ -218,14 +218,14 @@ def test_push_script_publishes_the_card_under_the_repo_id_it_pushes_to(fake_hub,
 
 def test_push_script_commits_to_a_new_branch_or_opens_a_pull_request(pushed, fake_hub, capsys):
     model, push = str(pushed[0] / "model"), push_script_main()
-    assert push([model, "--repo_id", REPO_ID, "--revision", "lr-sweep"]) == 0
+    assert push([model, "--hub_model_id", REPO_ID, "--hub_revision", "lr-sweep"]) == 0
     assert fake_hub.calls[1] == ("create_branch", {"branch": "lr-sweep", "exist_ok": True})
     assert {path.name for path in (fake_hub.root / f"{REPO_ID}@lr-sweep").iterdir()} == TRAINED_MODEL_FILES
     assert not any((fake_hub.root / REPO_ID).iterdir())  # main untouched
     assert f"to {REPO_ID}, branch lr-sweep" in capsys.readouterr().out
 
-    assert push([model, "--repo_id", REPO_ID, "--create_pr"]) == 0
-    assert push([model, "--repo_id", REPO_ID, "--revision", "lr-sweep", "--create_pr"]) == 0
+    assert push([model, "--hub_model_id", REPO_ID, "--create_pr"]) == 0
+    assert push([model, "--hub_model_id", REPO_ID, "--hub_revision", "lr-sweep", "--create_pr"]) == 0
     uploads = [kwargs for name, kwargs in fake_hub.calls if name == "upload_folder"]
     assert [(u["revision"], u["create_pr"]) for u in uploads] == [("lr-sweep", False), (None, True), ("lr-sweep", True)]
     assert {path.name for path in (fake_hub.root / f"{REPO_ID}@refs/pr/2").iterdir()} == TRAINED_MODEL_FILES
@@ -238,16 +238,16 @@ def test_push_script_commits_to_a_new_branch_or_opens_a_pull_request(pushed, fak
 def test_push_script_sets_the_card_license_and_refuses_an_incomplete_custom_one(pushed, fake_hub, tmp_path, capsys):
     folder = shutil.copytree(pushed[0] / "model", tmp_path / "model")
     push = push_script_main()
-    assert push([str(folder), "--repo_id", REPO_ID, "--license", "other", "--license_name", "acme-1.0"]) == 2
+    assert push([str(folder), "--hub_model_id", REPO_ID, "--license", "other", "--license_name", "acme-1.0"]) == 2
     assert "--license other needs --license_name NAME and --license_link URL" in capsys.readouterr().err
     assert fake_hub.calls == [] and ModelCard.load(folder / "README.md").data.license is None
 
     link = "https://example.com/acme-1.0.txt"
-    assert push([str(folder), "--repo_id", REPO_ID, "--license", "other", "--license_name", "acme-1.0",
+    assert push([str(folder), "--hub_model_id", REPO_ID, "--license", "other", "--license_name", "acme-1.0",
                  "--license_link", link]) == 0  # fmt: skip
     data = ModelCard.load(fake_hub.root / REPO_ID / "README.md").data
     assert (data.license, data.license_name, data.license_link) == ("other", "acme-1.0", link)
-    assert push([str(folder), "--repo_id", REPO_ID, "--license", "mit"]) == 0
+    assert push([str(folder), "--hub_model_id", REPO_ID, "--license", "mit"]) == 0
     data = ModelCard.load(fake_hub.root / REPO_ID / "README.md").data
     assert (data.license, data.license_name, data.license_link) == ("mit", None, None)
 
@@ -296,24 +296,33 @@ def stand_in_hub(case: str):
 PUSH_FAILURES = {
     "connection refused": ["cannot reach the hub at http://127.0.0.1:", "Connection refused", "check the network"],
     "timeout": ["did not answer within 0.5 s", "allow more with --timeout"],
-    "401 unauthorized": ["rejected the token (401 Unauthorized)", "pass a valid one with --token", "hf auth login"],
-    "403 forbidden": [f"may not write to {REPO_ID} (403 Forbidden)", "with --token", "with --repo_id"],
+    "401 unauthorized": ["rejected the token (401 Unauthorized)", "pass a valid one with --hub_token", "hf auth login"],
+    "403 forbidden": [f"may not write to {REPO_ID} (403 Forbidden)", "with --hub_token", "with --hub_model_id"],
     "offline": ["HF_HUB_OFFLINE is set: unset it"],
 }
 
 
 @pytest.mark.parametrize("case", PUSH_FAILURES)
-def test_push_failure_is_one_line_naming_cause_and_the_scripts_own_flag(case, pushed, monkeypatch, capsys):
+def test_push_failure_is_one_line_naming_cause_and_the_option_to_change(case, pushed, monkeypatch, capsys):
     """The real client against a stand-in endpoint: no traceback, one line, exit status 2."""
     monkeypatch.setenv("HF_TOKEN", "hf_test_token")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", case == "offline")
     with stand_in_hub(case) as endpoint:
         monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", endpoint)
-        status = push_script_main()([str(pushed[0] / "model"), "--repo_id", REPO_ID, "--timeout", "0.5"])
+        status = push_script_main()([str(pushed[0] / "model"), "--hub_model_id", REPO_ID, "--timeout", "0.5"])
     error = capsys.readouterr().err
     assert status == 2 and len(error.strip().splitlines()) == 1, error
-    assert error.startswith("push_to_hub: error: ") and all(part in error for part in PUSH_FAILURES[case]), error
-    assert "--hub_token" not in error and "--hub_model_id" not in error
+    assert error.startswith("kimi-k3-push: error: ") and all(part in error for part in PUSH_FAILURES[case]), error
+
+
+def test_push_options_spelled_as_before_work_for_one_release_naming_the_new_spelling(pushed, fake_hub, capsys):
+    old = [str(pushed[0] / "model"), "--repo_id", REPO_ID, "--revision", "lr-sweep", "--private", "--token=hf_x"]
+    assert push_script_main()(old) == 0
+    assert fake_hub.calls[1] == ("create_branch", {"branch": "lr-sweep", "exist_ok": True})
+    warnings = capsys.readouterr().err.strip().splitlines()
+    assert warnings == [f"kimi-k3-push: warning: {before} is now spelled {after}; the old spelling goes away in the next "
+                        "release" for before, after in [("--repo_id", "--hub_model_id"), ("--revision", "--hub_revision"),
+                                                        ("--private", "--hub_private_repo"), ("--token", "--hub_token")]]
 
 
 def test_wheel_ships_card_template_and_renders_card_outside_source_tree(tmp_path):
@@ -326,7 +335,7 @@ def test_wheel_ships_card_template_and_renders_card_outside_source_tree(tmp_path
     assert built.returncode == 0, built.stderr
     (wheel,) = tmp_path.glob("kimi_k3-*.whl")
     with zipfile.ZipFile(wheel) as archive:
-        assert "kimi_k3/templates/model_card.md" in archive.namelist()
+        assert "kimi_k3/publishing/templates/model_card.md" in archive.namelist()
         archive.extractall(tmp_path / "site")
 
     shutil.rmtree(source)  # only the wheel's files remain to import from

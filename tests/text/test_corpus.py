@@ -110,7 +110,7 @@ def test_data_files_choose_the_builder_from_the_suffix_under_a_compression_suffi
     (tmp_path / "parts").mkdir()
     (tmp_path / "parts" / "a.txt").write_text("\n\n".join(DOCUMENTS[:20]))
     (tmp_path / "parts" / "b.txt").write_text("\n\n".join(DOCUMENTS[20:]))
-    (tmp_path / "parts" / "notes.md").write_text("not matched by the pattern")
+    (tmp_path / "parts" / "notes.rst").write_text("not matched by the pattern")
 
     assert data.data_format(str(tmp_path / "corpus.JSONL.gz")) == ".jsonl"
     cases = {"corpus.csv": "body", "corpus.JSONL.gz": "body", "parts/*.txt": "text"}
@@ -184,9 +184,9 @@ BAD_SOURCES = {
         "--dataset_name someone/not-cached: cannot load the dataset: Couldn't reach 'someone/not-cached' on the Hub",
     ),
     "unknown suffix": (
-        lambda tmp: ["--data_files", write(tmp, "notes.md", "a b")],
+        lambda tmp: ["--data_files", write(tmp, "notes.rst", "a b")],
         "--data_files must all have one of the suffixes .txt, .text, .json, .jsonl, .csv, .parquet (one format per "
-        "run), optionally compressed (.gz, .bz2, .xz); got .md in ",
+        "run), optionally compressed (.gz, .bz2, .xz); got .rst in ",
     ),
     "glob matching nothing": (
         lambda tmp: ["--data_files", str(tmp / "data" / "*.txt")], "/data/*.txt matches no file"
