@@ -24,7 +24,7 @@ import modeling_kimi_k3
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROJECT_FILES = [
     *sorted(ROOT.glob("*_kimi_k3.py")),  # the model files shipped with every checkpoint
-    *sorted((ROOT / "kimi_k3").glob("*.py")),
+    *sorted((ROOT / "kimi_k3").rglob("*.py")),
     *sorted((ROOT / "scripts").glob("*.py")),
     *sorted((ROOT / "tests" / "dist_scripts").glob("*.py")),
 ]

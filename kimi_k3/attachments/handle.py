@@ -9,8 +9,9 @@ Policies that change weights or buffers update from a step hook of the optimizer
 MoE expert bias, so that they act the same under ``Trainer``, an accelerate loop or a plain ``torch`` loop.
 """
 
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -77,6 +78,17 @@ class Attachment:
 
     def __exit__(self, *exc_info) -> None:
         self.remove()
+
+
+@contextlib.contextmanager
+def undone_on_failure(attachment: Attachment) -> Iterator[Attachment]:
+    """Build ``attachment`` inside: if attaching fails midway (a refused attribute, a wrong optimizer), what it had
+    attached is removed before the error propagates, so a failed attachment leaves nothing behind."""
+    try:
+        yield attachment
+    except BaseException:
+        attachment.remove()
+        raise
 
 
 def unwrapped_optimizer(optimizer):

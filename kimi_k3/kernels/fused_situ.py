@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from kimi_k3.attachments.handle import Attachment
+from kimi_k3.attachments.handle import Attachment, undone_on_failure
 from kimi_k3.attachments.seams import find_situ_activations
 from kimi_k3.kernels.compiled import CompiledFunction, isa_safe_compile_caches
 from modeling_kimi_k3 import situ_and_mul, upcast
@@ -148,7 +148,8 @@ def use_fused_situ(model: nn.Module, min_elements: int = FUSED_MIN_ELEMENTS,
     their own reference. Works on the installed classes and on ``trust_remote_code`` copies alike.
     """
     attachment = Attachment("fused SiTU-GLU")
-    for activation in find_situ_activations(model).values():
-        attachment.set_attribute(activation, "forward", partial(fused_activation_forward, activation, min_elements,
-                                                                kernels))
+    with undone_on_failure(attachment):
+        for activation in find_situ_activations(model).values():
+            forward = partial(fused_activation_forward, activation, min_elements, kernels)
+            attachment.set_attribute(activation, "forward", forward)
     return attachment

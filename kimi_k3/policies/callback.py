@@ -24,6 +24,8 @@ class PolicyCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self.detach()  # a previous run that ended in an exception never reached on_train_end
+        if optimizer is None:
+            raise ValueError(f"{type(self).__name__} updates after each optimizer step, and the Trainer gave it none")
         self.policy = self.policy_for(model)
         self.attachment = self.policy.attach(optimizer, model)
 

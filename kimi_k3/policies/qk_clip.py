@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from kimi_k3.attachments.handle import Attachment
+from kimi_k3.attachments.handle import Attachment, undone_on_failure
 from kimi_k3.attachments.padding import PaddingTracker, shared_padding
 from kimi_k3.attachments.seams import find_mla_layers
 from kimi_k3.policies.callback import PolicyCallback
@@ -80,15 +80,18 @@ class QKClip:
         """Record every MLA layer's logits (of ``model``, default the one given at construction) and, with an
         ``optimizer``, clip after each of its steps; the handle's ``remove()`` undoes both."""
         model = self.model if model is None else model
+        if self.recorders:
+            raise ValueError("this QK-Clip is already attached; remove that attachment first")
         attachment = Attachment("QK-Clip")
-        padding = shared_padding(model, attachment)
-        for name, attn in find_mla_layers(model).items():
-            recorder = LogitMaxRecorder(attn, padding)
-            attachment.set_attribute(attn, "query_key_observer", recorder)
-            self.recorders[name] = (attn, recorder)
-        attachment.add(self.recorders.clear)
-        if optimizer is not None:
-            attachment.run_after_each_step(optimizer, self)
+        with undone_on_failure(attachment):
+            attachment.add(self.recorders.clear)
+            padding = shared_padding(model, attachment)
+            for name, attn in find_mla_layers(model).items():
+                recorder = LogitMaxRecorder(attn, padding)
+                attachment.set_attribute(attn, "query_key_observer", recorder)
+                self.recorders[name] = (attn, recorder)
+            if optimizer is not None:
+                attachment.run_after_each_step(optimizer, self)
         return attachment
 
     @torch.no_grad()

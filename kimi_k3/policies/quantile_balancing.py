@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kimi_k3.attachments.handle import Attachment
+from kimi_k3.attachments.handle import Attachment, undone_on_failure
 from kimi_k3.attachments.padding import PaddingTracker, masked_counts, shared_padding
 from kimi_k3.attachments.seams import find_routers
 from kimi_k3.policies.balance_metrics import aggregate_over_layers, load_balance_metrics
@@ -336,15 +336,18 @@ class QuantileBalancing:
         """Record the statistics of every router (of ``model``, default the one given at construction) and, with an
         ``optimizer``, update after each of its steps; the handle's ``remove()`` undoes both."""
         model = self.model if model is None else model
+        if self.statistics:
+            raise ValueError("this Quantile Balancing is already attached; remove that attachment first")
         _check_exact_runs_single_process(self.estimator, _world_size())
         attachment = Attachment("Quantile Balancing")
-        padding = shared_padding(model, attachment)
-        for name, router in find_routers(model).items():
-            self.statistics[name] = RouterStatistics(router, padding, self.estimator, self.num_bins)
-            attachment.add(router.register_forward_hook(self.statistics[name].record))
-        attachment.add(self.statistics.clear)
-        if optimizer is not None:
-            attachment.run_after_each_step(optimizer, self.update)
+        with undone_on_failure(attachment):
+            attachment.add(self.statistics.clear)
+            padding = shared_padding(model, attachment)
+            for name, router in find_routers(model).items():
+                self.statistics[name] = RouterStatistics(router, padding, self.estimator, self.num_bins)
+                attachment.add(router.register_forward_hook(self.statistics[name].record))
+            if optimizer is not None:
+                attachment.run_after_each_step(optimizer, self.update)
         return attachment
 
     @torch.no_grad()

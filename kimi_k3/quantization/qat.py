@@ -36,7 +36,7 @@ from checkpoint_format_kimi_k3 import (
     quantize_mxfp4,
     smallest_fitting_exponents,
 )
-from kimi_k3.attachments.handle import Attachment
+from kimi_k3.attachments.handle import Attachment, undone_on_failure
 from kimi_k3.attachments.seams import EXPERT_WEIGHTS, experts_activation, find_routed_experts
 from kimi_k3.kernels.compiled import CompiledFunction
 
@@ -180,14 +180,15 @@ def attach_qat(model: nn.Module, weights: str = "mxfp4", activations: str = "non
         )
     check_mxfp4_widths(experts, f"QAT {weights}")
     attachment = Attachment(f"QAT {weights}")
-    for module in experts.values():
-        for weight_name in EXPERT_WEIGHTS:
-            attachment.claim_attribute(module, weight_name)
-        attachment.add(lambda module=module: _unbind(module))  # a forward that never reached its end
-        attachment.add(module.register_forward_pre_hook(_binding_hook(activations == "mxfp8"), with_kwargs=True))
-        attachment.add(module.register_forward_hook(_unbinding_hook, always_call=True))
-        if activations == "mxfp8":
-            attachment.add(experts_activation(module).register_forward_hook(_quantize_output_mxfp8))
+    with undone_on_failure(attachment):
+        for module in experts.values():
+            for weight_name in EXPERT_WEIGHTS:
+                attachment.claim_attribute(module, weight_name)
+            attachment.add(lambda module=module: _unbind(module))  # a forward that never reached its end
+            attachment.add(module.register_forward_pre_hook(_binding_hook(activations == "mxfp8"), with_kwargs=True))
+            attachment.add(module.register_forward_hook(_unbinding_hook, always_call=True))
+            if activations == "mxfp8":
+                attachment.add(experts_activation(module).register_forward_hook(_quantize_output_mxfp8))
     return ExpertQAT(weights, activations, experts, attachment)
 
 

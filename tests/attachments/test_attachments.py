@@ -1,6 +1,7 @@
 """One attachment protocol: every feature that acts on the model from outside (Quantile Balancing, QK-Clip, QAT, fused
 SiTU-GLU) attaches through the model's seams and returns a handle; attached together they share one padding tracker
-and never set the same attribute, and removing them leaves the model bitwise as it was."""
+and never set the same attribute, a refused attachment leaves nothing behind, and removing them leaves the model
+bitwise as it was."""
 
 import pytest
 import torch
@@ -83,7 +84,12 @@ def test_a_second_feature_setting_an_attribute_is_refused_naming_both():
     with pytest.raises(ValueError, match="QK-Clip cannot set KimiK3MLAAttention.query_key_observer: QK-Clip holds it"):
         QKClip(model, tau=50.0).attach()
     first.remove()
+    # The refused attachment took back what it had attached before the refusal: no padding hook is left.
+    assert not decoder_stack(model)._forward_pre_hooks and not any(attribute_owners(m) for m in model.modules())
     QKClip(model, tau=50.0).attach().remove()  # free again once the first is removed
+    balancing = QuantileBalancing(model)
+    with balancing.attach(), pytest.raises(ValueError, match="already attached; remove that attachment first"):
+        balancing.attach()
 
 
 def test_every_recorder_reads_one_padding_tracker_per_model():
