@@ -23,6 +23,6 @@ def respelled(argv: list[str], renamed: dict[str, str], prog: str) -> list[str]:
     return result
 
 
-def arguments(argv: list[str] | None) -> list[str]:
+def command_arguments(argv: list[str] | None) -> list[str]:
     """The command's arguments: ``argv``, or the process's own."""
     return sys.argv[1:] if argv is None else list(argv)

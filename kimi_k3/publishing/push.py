@@ -17,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kimi_k3.command_line import arguments, respelled
+from kimi_k3.command_line import command_arguments, respelled
 from kimi_k3.publishing import hub
 from kimi_k3.publishing.model_card import (
     card_for_folder,
@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--license_link", default=None, help="URL of a custom license's text (--license other)")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="seconds to wait for the hub to connect and for each read or write (default: 60)")
-    return parser.parse_args(respelled(arguments(argv), RENAMED_OPTIONS, PROG))
+    return parser.parse_args(respelled(command_arguments(argv), RENAMED_OPTIONS, PROG))
 
 
 def main(argv: list[str] | None = None) -> int:
