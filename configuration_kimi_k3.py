@@ -216,12 +216,12 @@ class KimiK3Config(PreTrainedConfig):
     use_grouped_topk: bool = True
     num_expert_group: int = 1
     topk_group: int = 1
+    # Return every MoE layer's router logits (transformers' MoE output convention; K3 trains without an auxiliary loss).
+    output_router_logits: bool = False
 
     # Block Attention Residuals (arXiv:2603.15031); None gives the plain pre-norm residual stream.
     attn_res_block_size: int | None = 4
     num_nextn_predict_layers: int = 0
-
-    # What the model records for training-side policies (see the class docstring).
 
     # Canonical transformers layer descriptions, derived from the released fields.
     layer_types: list[str] | None = None

@@ -31,7 +31,9 @@ from transformers.masking_utils import create_causal_mask, create_recurrent_atte
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
-from transformers.utils import can_return_tuple, logging
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple, logging
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -56,8 +58,15 @@ logger = logging.get_logger(__name__)
 
 # transformers 5.24 renamed the cache argument and output field `past_key_values` to `cache`. Remote code runs under
 # whatever version the user has, so the model returns the cache under the running version's field name and accepts
-# it under either argument name, as transformers' own models do with `deprecate_kwarg`, but without a warning.
+# it under either argument name: where `cache` is the name, `past_key_values` warns that it is deprecated, as
+# transformers' own models do with `deprecate_kwarg`; where `past_key_values` is still the name, it is taken silently.
 CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def accepts_legacy_cache_name(forward: Callable) -> Callable:
+    if CACHE_FIELD == "cache":
+        return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache", raise_if_both_names=True)(forward)
+    return forward
 
 
 def take_cache_argument(cache: Cache | None, kwargs: dict) -> Cache | None:
@@ -764,15 +773,13 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         cache: Cache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor | None, ...]:
-        """Returns the new partial sum (the hidden state without AttnRes), the attention map and the new block
-        snapshot (each None when there is none)."""
+        """Returns the new partial sum (the hidden state without AttnRes) and the new block snapshot (None when the
+        layer starts no block)."""
         if self.attn_res_block_size is None:
             # Plain pre-norm residual stream (no AttnRes); `block_sum` is then the hidden state.
-            mixed, attn_weights = self.self_attn(
-                self.input_layernorm(block_sum), attention_mask, cache=cache, **kwargs
-            )
+            mixed, _ = self.self_attn(self.input_layernorm(block_sum), attention_mask, cache=cache, **kwargs)
             hidden_states = block_sum + mixed
-            return hidden_states + self.feed_forward(hidden_states), attn_weights, None
+            return hidden_states + self.feed_forward(hidden_states), None
 
         # One stack per layer: each snapshot gets one gradient contribution per layer, summed in the same order
         # whether or not the layer is wrapped (FSDP, checkpointing), so sharded runs match single-process ones bitwise.
@@ -787,12 +794,10 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         if starts_block:
             snapshot = block_sum.clone()  # a copy: reentrant checkpointing cannot return an input as an output
             bank = snapshot.unsqueeze(-2) if bank is None else torch.cat([bank, snapshot.unsqueeze(-2)], dim=-2)
-        mixed, attn_weights = self.self_attn(
-            self.input_layernorm(mixer_input), attention_mask, cache=cache, **kwargs
-        )
+        mixed, _ = self.self_attn(self.input_layernorm(mixer_input), attention_mask, cache=cache, **kwargs)
         block_sum = mixed if starts_block else block_sum + mixed
         ffn_input = block_attention_residual(block_sum, bank, self.mlp_res_proj, self.mlp_res_norm)
-        return block_sum + self.feed_forward(ffn_input), attn_weights, snapshot
+        return block_sum + self.feed_forward(ffn_input), snapshot
 
 
 class KimiK3PreTrainedModel(PreTrainedModel):
@@ -809,9 +814,12 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         "A_log", "dt_bias", "q_conv1d", "k_conv1d", "v_conv1d", "o_norm", "e_score_correction_bias"
     ]
     _keys_to_ignore_on_load_unexpected = [r"^vision_tower\.", r"^mm_projector\."]
+    # Attention maps come from the MLA layers only, as in transformers' hybrids (Qwen3-Next, Kimi Linear): KDA has
+    # no attention map to return.
     _can_record_outputs = {
         "router_logits": OutputRecorder(KimiK3TopkRouter, index=0),
         "hidden_states": OutputRecorder(KimiK3DecoderLayer, index=0),
+        "attentions": OutputRecorder(KimiK3MLAAttention, index=1),
     }
 
     @classmethod
@@ -884,6 +892,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    @accepts_legacy_cache_name
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -894,7 +903,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
         cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> MoeModelOutputWithPast:
         cache = take_cache_argument(cache, kwargs)
         inputs_embeds = self._input_embeddings(input_ids, inputs_embeds)
@@ -915,10 +924,9 @@ class KimiK3Model(KimiK3PreTrainedModel):
             "linear_attention": create_recurrent_attention_mask(*mask_args, position_ids=position_ids),
         }
 
-        output_attentions = kwargs.get("output_attentions", self.config.output_attentions)
-        block_sum, blocks, attentions = inputs_embeds, [], []
+        block_sum, blocks = inputs_embeds, []
         for decoder_layer in self.layers:
-            block_sum, attn_weights, snapshot = decoder_layer(
+            block_sum, snapshot = decoder_layer(
                 block_sum,
                 *blocks,
                 attention_mask=masks[decoder_layer.layer_type],
@@ -927,8 +935,6 @@ class KimiK3Model(KimiK3PreTrainedModel):
             )
             if snapshot is not None:
                 blocks.append(snapshot)
-            if output_attentions:  # one entry per layer: None for KDA layers and for attention without maps (sdpa)
-                attentions.append(attn_weights)
         hidden_states = block_sum
         if self.output_attn_res_proj is not None:
             hidden_states = block_attention_residual(
@@ -936,7 +942,6 @@ class KimiK3Model(KimiK3PreTrainedModel):
             )
         return MoeModelOutputWithPast(
             last_hidden_state=self.norm(hidden_states),
-            attentions=tuple(attentions) if output_attentions else None,
             **{CACHE_FIELD: cache},
         )
 
@@ -1022,6 +1027,7 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    @accepts_legacy_cache_name
     @can_return_tuple
     def forward(
         self,
@@ -1033,7 +1039,7 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> MoeCausalLMOutputWithPast:
         outputs: MoeModelOutputWithPast = self.model(
             input_ids=input_ids,

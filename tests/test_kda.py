@@ -11,6 +11,7 @@ from modeling_kimi_k3 import (
     l2_normalize,
     recurrent_kda,
 )
+from tests.numerics import assert_as_accurate
 
 
 def naive_kda(q, k, v, g, beta, initial_state=None):
@@ -80,8 +81,10 @@ def test_chunked_kda_survives_strongest_decay_in_fp32():
     g = torch.full_like(q, -4.99)
     out, state = chunk_kda(q, k, v, g, beta)
     ref_out, ref_state = recurrent_kda(q, k, v, g, beta)
+    exact_out, exact_state = recurrent_kda(*(x.double() for x in (q, k, v, g, beta)))
     assert torch.isfinite(out).all() and torch.isfinite(state).all()
-    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    assert_as_accurate(out, ref_out, exact_out, what="output")
+    assert_as_accurate(state, ref_state, exact_state, what="state")
 
 
 def test_split_prefill_carries_state_exactly_fp64():
@@ -161,8 +164,11 @@ def test_sub_chunked_kda_survives_strongest_decay_in_fp32():
     inputs = [x.requires_grad_() for x in (q, k, v, g, beta)]
     out, state = chunk_kda(*inputs, gate_lower_bound=-5.0)
     ref_out, ref_state = recurrent_kda(q, k, v, g, beta)
-    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(state, ref_state, rtol=1e-5, atol=1e-5)
+    exact_out, exact_state = recurrent_kda(*(x.detach().double() for x in (q, k, v, g, beta)))
+    # Products with factors up to e^{±75} round before they cancel: this form's fp32 error is up to ~20x the
+    # recurrence's (9e-7 against 5e-8 here, 1.8e-6 of the output's scale), a property of the algorithm, not the CPU.
+    assert_as_accurate(out, ref_out, exact_out, what="output", factor=64)
+    assert_as_accurate(state, ref_state, exact_state, what="state", factor=64)
     grads = torch.autograd.grad(out.square().sum() + state.square().sum(), inputs)
     assert all(torch.isfinite(grad).all() for grad in grads)
 

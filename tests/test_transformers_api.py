@@ -96,8 +96,11 @@ BORROWED_API = [
             "_supports_flash_attn": "MLA's value width differs from its key width; flash-attn is refused",
             "_is_stateful": "the KDA recurrent state rules out generation modes that rewind the cache",
             "_keep_in_fp32_modules_strict": "decay parameters, convs and the router bias stay fp32",
-            "_keys_to_ignore_on_load_unexpected": "released folders also hold vision-tower and projector tensors",
-            "_can_record_outputs": "router logits and hidden states through output capturing",
+            "_keys_to_ignore_on_load_unexpected": "released folders also hold vision-tower and projector tensors; "
+                                                  "strict loading leaves unread what a class names here",
+            "_keys_to_ignore_on_load_missing": "strict loading lets a class initialise what it names here (a new "
+                                               "task head), as transformers' loading does",
+            "_can_record_outputs": "router logits, hidden states and MLA attention maps through output capturing",
             "_tied_weights_keys": "tie_word_embeddings ties lm_head to the input embedding",
             "_tp_plan": "tensor parallelism splits lm_head by vocabulary (the rest of the plan is the config's)",
         }.items()
