@@ -394,10 +394,11 @@ def test_exact_estimator_solves_all_kept_required_biases(model, monkeypatch):
     policy.update()
     assert torch.equal(router.e_score_correction_bias, expected)
     assert r.shape == (2 * 16, router.num_experts) and statistics.required_biases == []
+    built_in_one_process = QuantileBalancing(model, estimator="exact")
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     with pytest.raises(ValueError, match="single-process"):
-        policy.attach()
+        built_in_one_process.attach()  # attached under several ranks
 
 
 def test_activation_checkpointing_recompute_gives_identical_bias(model):
