@@ -19,11 +19,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import TrainerCallback, TrainingArguments, default_data_collator
 
-from kimi_k3.distributed import sharded_loading_config
-from kimi_k3.muon import PerHeadMuonFactory
-from kimi_k3.parallel_verify import CollectivePayload
-from kimi_k3.quantile_balancing import QuantileBalancingCallback
-from kimi_k3.train import KimiK3Trainer
+from kimi_k3.parallel.sharding import sharded_loading_config
+from kimi_k3.optim.muon import PerHeadMuonFactory
+from kimi_k3.planning.verify import CollectivePayload
+from kimi_k3.policies.quantile_balancing import QuantileBalancingCallback
+from kimi_k3.job.trainer import KimiK3Trainer
 from modeling_kimi_k3 import KimiK3ForCausalLM
 
 WORLD_SIZE, EXPERT_PARALLEL = 4, 2
