@@ -742,6 +742,8 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
             self.self_attention_res_norm = KimiK3RMSNorm(hidden_size, eps=eps)
             self.mlp_res_proj = KimiK3PseudoQuery(hidden_size)
             self.mlp_res_norm = KimiK3RMSNorm(hidden_size, eps=eps)
+        if config.enabled_variants:
+            build_variants(self, config)
 
     def feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         hidden_states = self.post_attention_layernorm(hidden_states)
@@ -788,6 +790,15 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         return block_sum + self.feed_forward(ffn_input), attn_weights, snapshot
 
 
+def build_variants(layer: KimiK3DecoderLayer, config: KimiK3Config) -> None:
+    """Swap the opt-in Stable LatentMoE variants into ``layer``; the release uses none (``variants_kimi_k3.py``)."""
+    try:
+        from .variants_kimi_k3 import build_layer_variants
+    except ImportError:
+        from variants_kimi_k3 import build_layer_variants
+    build_layer_variants(layer, config)
+
+
 class KimiK3PreTrainedModel(PreTrainedModel):
     config: KimiK3Config
     config_class = KimiK3Config
@@ -799,7 +810,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     _supports_flash_attn = False
     _is_stateful = True
     _keep_in_fp32_modules_strict = [
-        "A_log", "dt_bias", "q_conv1d", "k_conv1d", "v_conv1d", "o_norm", "e_score_correction_bias"
+        "A_log", "dt_bias", "q_conv1d", "k_conv1d", "v_conv1d", "o_norm", "e_score_correction_bias", "score_quantiles"
     ]
     _keys_to_ignore_on_load_unexpected = [r"^vision_tower\.", r"^mm_projector\."]
     _can_record_outputs = {
@@ -853,6 +864,8 @@ class KimiK3PreTrainedModel(PreTrainedModel):
             init.zeros_(module.mlp_res_proj.weight)
         elif isinstance(module, KimiK3Model) and module.output_attn_res_proj is not None:
             init.zeros_(module.output_attn_res_proj.weight)
+        if hasattr(module, "init_variant_weights"):  # the opt-in variants' own tensors (variants_kimi_k3.py)
+            module.init_variant_weights(std)
 
 
 class KimiK3Model(KimiK3PreTrainedModel):
