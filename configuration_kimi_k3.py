@@ -597,9 +597,11 @@ class KimiK3Config(PreTrainedConfig):
                              "coarse expert owns num_experts / num_coarse_experts fine experts.")
         if chosen > groups:
             raise ValueError(f"`coarse_experts_per_token` ({chosen}) must be <= `num_coarse_experts` ({groups}).")
-        if k > chosen * (self.num_experts // groups):
-            raise ValueError(f"`num_experts_per_token` ({k}) must be <= coarse_experts_per_token x num_experts / "
-                             f"num_coarse_experts = {chosen * (self.num_experts // groups)}, the experts a token can reach.")
+        reachable = chosen * (self.num_experts // groups)
+        if k >= reachable:
+            raise ValueError(f"`num_experts_per_token` ({k}) must be < coarse_experts_per_token x num_experts / "
+                             f"num_coarse_experts = {reachable}, the experts a token can reach (at {reachable} the fine "
+                             "router would have nothing to choose).")
         if not self.moe_renormalize or k < 2:
             raise ValueError("Two-level routing renormalizes the product of coarse and fine scores over the chosen "
                              f"experts: it needs `moe_renormalize=true` and `num_experts_per_token` >= 2, got "
