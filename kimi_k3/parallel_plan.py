@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from kimi_k3.muon import _LAYER_PARAM, _head_rows_by_layer_type, newton_schulz_exchange_bytes
+from variants_kimi_k3 import BASIS_OF_EXPERT_TENSOR
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZERS = ("muon", "adamw")
@@ -82,11 +83,12 @@ class BufferSpec:
 
 
 def muon_or_adamw(name: str, shape: tuple[int, ...], expert: bool) -> str:
-    """The split of ``kimi_k3.muon.build_param_groups``: 2-D matrices and stacked experts to Muon; vectors, embeddings,
-    ``lm_head``, the AttnRes pseudo-queries and the 3-D conv kernels to AdamW."""
-    if len(shape) < 2 or "embed_tokens" in name or "lm_head" in name or name.endswith("_res_proj.weight"):
+    """The split of ``kimi_k3.muon.build_param_groups``: 2-D matrices and stacked experts (or shared-basis banks) to
+    Muon; vectors, embeddings, ``lm_head``, the AttnRes pseudo-queries, the 3-D conv kernels and shared-basis
+    coefficients to AdamW."""
+    if len(shape) < 2 or "embed_tokens" in name or "lm_head" in name or name.endswith(("_res_proj.weight", "_coefficients")):
         return "adamw"
-    return "muon" if len(shape) == 2 or expert else "adamw"
+    return "muon" if len(shape) == 2 or expert or name.endswith(tuple(BASIS_OF_EXPERT_TENSOR)) else "adamw"
 
 
 def _linear(name, out_features, in_features, unit):
@@ -125,6 +127,8 @@ def _layer_params(config, i: int) -> list[tuple]:
                            config.kv_lora_rank, unit)]
         if config.mla_use_output_gate:
             params.append(_linear(f"{attn}.g_proj.weight", heads * config.v_head_dim, h, unit))
+            if config.attention_gate_routing and config.mlp_layer_types[i] == "sparse":
+                params.append((f"{attn}.g_proj.routing_weight", (heads, config.num_experts), unit))
         params.append(_linear(f"{attn}.o_proj.weight", h, heads * config.v_head_dim, unit))
     if config.mlp_layer_types[i] == "sparse":
         params += _moe_params(config, f"{prefix}.block_sparse_moe", unit)
@@ -143,16 +147,30 @@ def _moe_params(config, prefix, unit):
     h, latent, experts = config.hidden_size, config.routed_expert_hidden_size, config.num_experts
     width = latent or h
     params = [_linear(f"{prefix}.gate.weight", experts, h, unit)]
+    if config.num_coarse_experts is not None:
+        params.append(_linear(f"{prefix}.gate.coarse_gate.weight", config.num_coarse_experts, h, unit))
     if latent is not None:
         params += [_linear(f"{prefix}.routed_expert_down_proj.weight", latent, h, unit),
                    _linear(f"{prefix}.routed_expert_up_proj.weight", h, latent, unit)]
-    params += [(f"{prefix}.experts.gate_up_proj", (experts, 2 * config.moe_intermediate_size, width), unit),
-               (f"{prefix}.experts.down_proj", (experts, width, config.moe_intermediate_size), unit)]
+    params += _routed_expert_params(config, f"{prefix}.experts", width, unit)
     if config.latent_moe_use_norm:
         params.append((f"{prefix}.routed_expert_norm.weight", (width,), unit))
     if config.num_shared_experts > 0:
         params += _mlp_params(f"{prefix}.shared_experts", h, config.moe_intermediate_size * config.num_shared_experts, unit)
     return params
+
+
+def _routed_expert_params(config, prefix, width, unit):
+    """E independent experts of P = 3·width·I parameters each, or (shared basis) M basis matrices and two [E, M]
+    coefficient tables: M·P + 2·E·M."""
+    experts, intermediate, basis = config.num_experts, config.moe_intermediate_size, config.expert_basis_size
+    if basis is None:
+        return [(f"{prefix}.gate_up_proj", (experts, 2 * intermediate, width), unit),
+                (f"{prefix}.down_proj", (experts, width, intermediate), unit)]
+    return [(f"{prefix}.gate_up_basis", (basis, 2 * intermediate, width), unit),
+            (f"{prefix}.down_basis", (basis, width, intermediate), unit),
+            (f"{prefix}.gate_up_coefficients", (experts, basis), unit),
+            (f"{prefix}.down_coefficients", (experts, basis), unit)]
 
 
 def _never_in_backward(config, name: str) -> bool:
@@ -206,7 +224,8 @@ def _muon_tags(config):
             if rows is not None:
                 return ("head_rows", rows)
         weight = name.rsplit(".", 1)[-1]
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        weight = BASIS_OF_EXPERT_TENSOR.get(weight, weight)
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj", *BASIS_OF_EXPERT_TENSOR)):
             return ("expert_rows", expert_rows[weight])
         return None
 
@@ -214,10 +233,16 @@ def _muon_tags(config):
 
 
 def buffer_specs(config) -> list[BufferSpec]:
-    """Buffers of the model every rank keeps whole: the router bias of each MoE layer (fp32)."""
-    return [BufferSpec(f"model.layers.{i}.block_sparse_moe.gate.e_score_correction_bias", config.num_experts,
-                       FP32_BYTES, "router statistics")
-            for i, mlp_type in enumerate(config.mlp_layer_types) if mlp_type == "sparse"]
+    """Buffers of the model every rank keeps whole: the router bias of each MoE layer (fp32), and with the routing
+    variants a quantile router's score CDF knots and a coarse router's bias."""
+    per_layer = {"gate.e_score_correction_bias": config.num_experts}
+    if config.router_score_normalization == "quantile":
+        per_layer["gate.score_quantiles"] = config.num_experts * (config.router_score_quantile_bins + 1)
+    if config.num_coarse_experts is not None:
+        per_layer["gate.coarse_gate.e_score_correction_bias"] = config.num_coarse_experts
+    return [BufferSpec(f"model.layers.{i}.block_sparse_moe.{name}", numel, FP32_BYTES, "router statistics")
+            for i, mlp_type in enumerate(config.mlp_layer_types) if mlp_type == "sparse"
+            for name, numel in per_layer.items()]
 
 
 def statistics_specs(config, setup) -> list[BufferSpec]:
@@ -293,6 +318,9 @@ def validate(config, layout: Layout, setup: Setup, specs: list[ParamSpec] | None
     if layout.fsdp * layout.tp != layout.world_size:
         raise PlanError(f"The layout does not cover the world: fsdp ({layout.fsdp}) x tp ({layout.tp}) = "
                         f"{layout.fsdp * layout.tp} ranks, but `world_size` is {layout.world_size}.")
+    if layout.ep > 1 and getattr(config, "enabled_variants", ()):
+        raise PlanError(f"`ep` must be 1 with {config.enabled_variants[0]}: the expert-parallel plan names the "
+                        f"released tensors only, got {layout.ep}.")
     if layout.ep > 1:
         if config.num_experts is None or not any(t == "sparse" for t in config.mlp_layer_types):
             raise PlanError(f"`ep` is {layout.ep} but the config has no MoE layers (num_experts={config.num_experts}).")

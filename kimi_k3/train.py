@@ -24,7 +24,7 @@ from transformers import HfArgumentParser, Trainer, TrainerState, TrainingArgume
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 
 from checkpoint_format_kimi_k3 import verify_checkpoint_files
-from configuration_kimi_k3 import KimiK3Config
+from configuration_kimi_k3 import VARIANT_FIELDS_OFF, KimiK3Config
 from modeling_kimi_k3 import KimiK3ForCausalLM
 
 from . import expert_load, hub, run_folder
@@ -40,15 +40,17 @@ from .data import (
 )
 from .distributed import load_full_state_dict
 from .expert_load import ExpertLoadRecorder
+from .expert_merging import ExpertMergingCallback, check_merging_arguments
 from .fused_situ import use_fused_situ
 from .model_card import TrainingSummary, card_metadata, hub_repo_id, render_model_card
 from .muon import PerHeadMuonFactory
 from .precision import PRECISION_CHOICES, warn_if_bf16_is_emulated
 from .qat import ACTIVATION_FORMATS, WEIGHT_FORMATS, attach_qat, check_mxfp4_widths, find_routed_experts
 from .qk_clip import QKClipCallback, check_tau
+from .padding import masked_counts
 from .quantile_balancing import QuantileBalancingCallback, find_routers
 from .resumable import ResumableCallback, TrainingClock
-from .release_format import checkpoint_shard_files, export_released
+from .release_format import check_exportable, checkpoint_shard_files, export_released
 from .tokenizer import check_tokenizer_fits, load_tokenizer, train_bpe_tokenizer
 
 OPTIMIZERS = ("per_head_muon", "adamw")
@@ -142,6 +144,19 @@ class ModelArguments:
         default="none",
         metadata={"help": "With --qat, also fake-quantize the experts' input activations (mxfp8: E4M3, per-32 scales).",
                   "choices": ACTIVATION_FORMATS},
+    )
+    expert_merging_every_n_steps: int = field(
+        default=0,
+        metadata={"help": "Every N optimizer steps, merge each MoE layer's most similar pair of routed experts and "
+                          "re-initialise the freed slot as a split of the most loaded expert (0: never)."},
+    )
+    expert_merging_threshold: float = field(
+        default=0.9,
+        metadata={"help": "With --expert_merging_every_n_steps: the cosine similarity of two experts' weights at which "
+                          "they merge, in [-1, 1]."},
+    )
+    expert_merging_max_per_layer: int = field(
+        default=1, metadata={"help": "With --expert_merging_every_n_steps: at most this many merges per layer and round."}
     )
     final_layout: str = field(
         default="ours",
@@ -487,6 +502,7 @@ def attach_expert_qat(model_args: ModelArguments, model: KimiK3ForCausalLM) -> N
     """Fake-quantize the routed experts in every forward when --qat is given (kimi_k3.qat); checked before training,
     as is a released final layout, which needs MXFP4-groupable expert widths."""
     if model_args.final_layout == "released":
+        check_exportable(model.config, "--final_layout released")
         check_mxfp4_widths(find_routed_experts(model), "--final_layout released")
     if model_args.qat is None:
         if model_args.qat_activations != "none":
@@ -505,7 +521,7 @@ def config_overrides(text: str | None) -> dict:
         raise UsageError(f"--config_overrides is not valid JSON ({error}): {text!r}") from None
     if not isinstance(overrides, dict):
         raise UsageError(f"--config_overrides must be a JSON object, got {text!r}")
-    known = set(KimiK3Config().to_dict()) | set(KimiK3Config.attribute_map)
+    known = set(KimiK3Config().to_dict()) | set(KimiK3Config.attribute_map) | set(VARIANT_FIELDS_OFF)
     for name in overrides:
         if name not in known:
             close = difflib.get_close_matches(name, sorted(known), n=1)
@@ -577,7 +593,24 @@ def optimizer_and_callbacks(model_args: ModelArguments, training_args: TrainingA
         update_rule = "quantile" if model_args.quantile_balancing else "none"
         balancing = QuantileBalancingCallback(model, update_rule=update_rule, per_layer_metrics=False)
         callbacks += [balancing, ExpertLoadRecorder(balancing)]
+        if model_args.expert_merging_every_n_steps:
+            callbacks.append(ExpertMergingCallback(
+                balancing, model_args.expert_merging_every_n_steps, model_args.expert_merging_threshold,
+                model_args.expert_merging_max_per_layer, seed=training_args.seed,
+            ))  # fmt: skip
+    elif model_args.expert_merging_every_n_steps:
+        raise UsageError("--expert_merging_every_n_steps merges routed experts, and the model has none (num_experts)")
     return optimizer_cls_and_kwargs, callbacks
+
+
+def check_expert_merging(model_args: ModelArguments) -> None:
+    every_n_steps = model_args.expert_merging_every_n_steps
+    if every_n_steps < 0:
+        raise UsageError(f"--expert_merging_every_n_steps must be >= 0 (0: never), got {every_n_steps}")
+    if every_n_steps:
+        flags = ("--expert_merging_every_n_steps", "--expert_merging_threshold", "--expert_merging_max_per_layer")
+        check_merging_arguments(every_n_steps, model_args.expert_merging_threshold,
+                                model_args.expert_merging_max_per_layer, names=flags)
 
 
 def build_trainer(model, tokenizer, blocks, training_args, optimizer_cls_and_kwargs, callbacks) -> KimiK3Trainer:
@@ -608,8 +641,8 @@ def measure_expert_load(model, blocks: datasets.Dataset, batch_size: int) -> dic
     loads = {name: torch.zeros(router.num_experts, dtype=torch.long) for name, router in routers.items()}
 
     def count_routes(name):
-        def hook(router, inputs, outputs):
-            loads[name] += torch.bincount(outputs[2].flatten().cpu(), minlength=router.num_experts)
+        def hook(router, inputs, outputs):  # masked_counts drops the unused slots (index n) of dynamic k
+            loads[name] += masked_counts(outputs[2].cpu(), None, router.num_experts)
 
         return hook
 
@@ -776,6 +809,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             model_args, data_args, card_args, training_args = parse_args(argv)
             check_batch_sizes(training_args)
+            check_expert_merging(model_args)
             check_data_limits(data_args, training_args)
             check_world_size(training_args)
             warn_if_bf16_is_emulated(training_args.bf16, training_args.device)
