@@ -329,3 +329,16 @@ def test_saved_variant_folders_reload_through_trust_remote_code_in_a_fresh_proce
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("ok")
+
+
+@pytest.mark.parametrize("sizes", [{"tp_size": 2}, {"ep_size": 2, "fsdp_size": 2}])
+def test_tensor_and_expert_parallel_loading_of_a_variant_is_refused_while_the_model_is_built(sizes):
+    from transformers.distributed import DistributedConfig
+
+    config = tiny_config(**VARIANTS["two_level"])
+    config.distributed_config = DistributedConfig(**sizes)  # what from_pretrained(distributed_config=...) sets first
+    with pytest.raises(ValueError, match=r"^two-level routing \(num_coarse_experts\) has no tensor- or expert-parallel "
+                                         r"plan: load it with tp_size=1 and ep_size=1"):
+        KimiK3ForCausalLM(config)
+    config.distributed_config = DistributedConfig(fsdp_size=2)
+    KimiK3ForCausalLM(config)  # FSDP shards any parameter
