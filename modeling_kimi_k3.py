@@ -8,8 +8,9 @@ References: the Kimi K3 technical report (arXiv:2607.24653; "K3 report" below), 
 flash-linear-attention's ``fla/ops/kda`` for Kimi Delta Attention, DeepSeek-V2 (arXiv:2405.04434) for MLA, Gated
 Attention (arXiv:2505.06708), Attention Residuals (arXiv:2603.15031), and transformers' ``modeling_kimi_linear.py``.
 
-The file imports only torch, transformers and its sibling files (configuration, checkpoint formats), so it can be
-copied into a checkpoint folder and loaded with ``trust_remote_code=True``. Fast kernels attach from outside
+The file imports only torch, transformers and its sibling files (configuration, checkpoint formats, and, for the
+opt-in Stable LatentMoE variants only, ``variants_kimi_k3.py``), so it can be copied into a checkpoint folder and
+loaded with ``trust_remote_code=True``. Fast kernels attach from outside
 (``kimi_k3.fused_situ``); design notes for contributors are in the repository's ``docs/design.md``.
 """
 
