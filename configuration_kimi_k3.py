@@ -547,43 +547,52 @@ class KimiK3Config(PreTrainedConfig):
 
     def _validate_variants(self) -> None:
         if self.num_experts is None:
-            raise ValueError(f"{self.enabled_variants[0] if self.enabled_variants else 'A variant field'} needs "
-                             "routed experts: set `num_experts`.")
+            what = self.enabled_variants[0] if self.enabled_variants else "A variant field"
+            raise ValueError(f"{what} needs routed experts: set `num_experts`.")
+        quantile, dynamic = self.router_score_normalization == "quantile", self.dynamic_experts_per_token
         _require_dependent("router_score_quantile_bins", self.router_score_quantile_bins,
-                           "router_score_normalization='quantile'", self.router_score_normalization == "quantile")
+                           "router_score_normalization='quantile'", quantile)
         _require_dependent("coarse_experts_per_token", self.coarse_experts_per_token, "num_coarse_experts",
                            self.num_coarse_experts is not None)
         for name in ("min_experts_per_token", "max_experts_per_token"):
-            _require_dependent(name, getattr(self, name), "dynamic_experts_per_token=true", self.dynamic_experts_per_token)
-        rules = [name for name, on in (("router_score_normalization='quantile'", self.router_score_normalization != "none"),
-                                       ("num_coarse_experts", self.num_coarse_experts is not None),
-                                       ("dynamic_experts_per_token", self.dynamic_experts_per_token)) if on]
-        if len(rules) > 1:
-            raise ValueError(f"{' and '.join(rules)} each replace the router's selection rule; enable at most one.")
+            _require_dependent(name, getattr(self, name), "dynamic_experts_per_token=true", dynamic)
+        selection_rules = {
+            "router_score_normalization='quantile'": self.router_score_normalization != "none",
+            "num_coarse_experts": self.num_coarse_experts is not None,
+            "dynamic_experts_per_token": dynamic,
+        }
+        chosen = [name for name, on in selection_rules.items() if on]
+        if len(chosen) > 1:
+            raise ValueError(f"{' and '.join(chosen)} each replace the router's selection rule; enable at most one.")
         if self.expert_basis_size is not None:
-            _require_positive_int("expert_basis_size", self.expert_basis_size)
-            if self.expert_basis_size > self.num_experts:
-                raise ValueError(f"`expert_basis_size` ({self.expert_basis_size}) must be <= `num_experts` "
-                                 f"({self.num_experts}): a larger basis holds more weights than independent experts.")
+            self._validate_shared_basis()
         if self.router_score_normalization not in ROUTER_SCORE_NORMALIZATIONS:
             raise ValueError(f"`router_score_normalization` must be one of {ROUTER_SCORE_NORMALIZATIONS}, "
                              f"got {self.router_score_normalization!r}.")
-        if self.router_score_quantile_bins is not None and self.router_score_quantile_bins < 2:
-            raise ValueError(f"`router_score_quantile_bins` must be an integer >= 2, got {self.router_score_quantile_bins}.")
+        bins = self.router_score_quantile_bins
+        if bins is not None and bins < 2:
+            raise ValueError(f"`router_score_quantile_bins` must be an integer >= 2, got {bins}.")
         if self.attention_gate_routing:
             self._validate_attention_gate_routing()
         if self.num_coarse_experts is not None:
             self._validate_two_level_routing()
-        if self.dynamic_experts_per_token:
+        if dynamic:
             self._validate_dynamic_experts()
+
+    def _validate_shared_basis(self) -> None:
+        _require_positive_int("expert_basis_size", self.expert_basis_size)
+        if self.expert_basis_size > self.num_experts:
+            raise ValueError(f"`expert_basis_size` ({self.expert_basis_size}) must be <= `num_experts` "
+                             f"({self.num_experts}): a larger basis holds more weights than independent experts.")
 
     def _validate_attention_gate_routing(self) -> None:
         if not self.mla_use_output_gate:
-            raise ValueError("`attention_gate_routing` modulates MLA's output gate: it needs `mla_use_output_gate=true`.")
+            raise ValueError("`attention_gate_routing` modulates MLA's output gate: it needs "
+                             "`mla_use_output_gate=true`.")
         routed_mla = [i for i in self.mla_layer_indices if self.is_moe_layer(i)]
         if not routed_mla:
-            raise ValueError("`attention_gate_routing` reads the routing of an MLA layer's own router, but no MLA layer "
-                             "(`linear_attn_config.full_attn_layers`) is an MoE layer.")
+            raise ValueError("`attention_gate_routing` reads the routing of an MLA layer's own router, but no MLA "
+                             "layer (`linear_attn_config.full_attn_layers`) is an MoE layer.")
 
     def _validate_two_level_routing(self) -> None:
         groups, chosen, k = self.num_coarse_experts, self.coarse_experts_per_token, self.num_experts_per_token
@@ -600,8 +609,8 @@ class KimiK3Config(PreTrainedConfig):
         reachable = chosen * (self.num_experts // groups)
         if k >= reachable:
             raise ValueError(f"`num_experts_per_token` ({k}) must be < coarse_experts_per_token x num_experts / "
-                             f"num_coarse_experts = {reachable}, the experts a token can reach (at {reachable} the fine "
-                             "router would have nothing to choose).")
+                             f"num_coarse_experts = {reachable}, the experts a token can reach (at {reachable} the "
+                             "fine router would have nothing to choose).")
         if not self.moe_renormalize or k < 2:
             raise ValueError("Two-level routing renormalizes the product of coarse and fine scores over the chosen "
                              f"experts: it needs `moe_renormalize=true` and `num_experts_per_token` >= 2, got "
@@ -613,7 +622,8 @@ class KimiK3Config(PreTrainedConfig):
         _require_positive_int("max_experts_per_token", high)
         if not low <= k <= high <= self.num_experts:
             raise ValueError(f"Dynamic k needs 1 <= `min_experts_per_token` <= `num_experts_per_token` <= "
-                             f"`max_experts_per_token` <= `num_experts`, got {low} <= {k} <= {high} <= {self.num_experts}.")
+                             f"`max_experts_per_token` <= `num_experts`, got {low} <= {k} <= {high} <= "
+                             f"{self.num_experts}.")
 
 
 def _require_dependent(name: str, value, switch: str, switched_on: bool) -> None:

@@ -130,9 +130,9 @@ class KimiK3SharedBasisExperts(nn.Module):
     """Routed experts that share a latent basis: each expert is a linear combination of M basis matrices.
 
     ``gate_up_basis`` [M, 2I, H] and ``down_basis`` [M, H, I] are the two banks, ``gate_up_coefficients`` and
-    ``down_coefficients`` [E, M] each expert's combination (one per bank, so an expert's gate/up and down matrices mix
-    the bases independently). Routed-expert parameters fall from E·P to M·P + 2·E·M (P = 3·H·I); with M = E and C = I
-    the layer is the independent experts. ``gate_up_proj`` / ``down_proj`` materialise every W_e, which is what the
+    ``down_coefficients`` [E, M] each expert's combination (one per bank, so an expert's gate/up and down matrices
+    mix the bases independently). Routed-expert parameters fall from E·P to M·P + 2·E·M (P = 3·H·I); with M = E and
+    C = I the layer is the independent experts. ``gate_up_proj`` / ``down_proj`` materialise every W_e, which is what the
     experts backends (grouped_mm, batched_mm) read and what the released-layout export writes.
     """
 
@@ -322,8 +322,8 @@ class KimiK3TwoLevelRouter(KimiK3TopkRouter):
 
     Group i owns experts [i·E/G, (i + 1)·E/G). The fine top-k runs over s + b with the experts of unchosen groups
     excluded; the mixing weight of expert e is c_{g(e)}·s_e renormalized over the k, computed as
-    (c_{g(e)} / max chosen c)·s_e renormalized, which is the same number and exactly s_e renormalized when G = 1 (so one
-    group is bitwise the flat router). The product is always renormalized (the config requires it).
+    (c_{g(e)} / max chosen c)·s_e renormalized, which is the same number and exactly s_e renormalized when G = 1 (so
+    one group is bitwise the flat router). The product is always renormalized (the config requires it).
     """
 
     def __init__(self, config: KimiK3Config):

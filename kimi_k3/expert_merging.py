@@ -104,7 +104,8 @@ def merge_similar_experts(layer: nn.Module, loads: torch.Tensor, similarity_thre
         source = int(loads.argmax())
         for weight in weights:
             noise = torch.randn(weight[source].shape, generator=generator, dtype=torch.float64)
-            weight[merged] = weight[source] + (SPLIT_NOISE_SCALE * weight[source].double().std() * noise).to(weight.dtype)
+            noise *= SPLIT_NOISE_SCALE * weight[source].double().std()
+            weight[merged] = weight[source] + noise.to(weight.dtype)
         for tensor, dim in routing:
             tensor.select(dim, merged).copy_(tensor.select(dim, source))
         loads[merged] = loads[source] = loads[source] / 2
@@ -167,7 +168,9 @@ class ExpertMergingCallback(ResumableCallback):
         routers = find_routers(model)
         missing = sorted(set(routers) - set(self.balancing.latest_loads))
         if missing:
-            raise ValueError(f"expert merging needs the balancing callback's loads of this step; none for {missing[:3]}")
+            raise ValueError(
+                f"expert merging needs the balancing callback's loads of this step; none for {missing[:3]}"
+            )
         done = []
         for index, (name, layer) in enumerate(_moe_layers(model, routers).items()):
             merges = merge_similar_experts(layer, self.balancing.latest_loads[name], self.similarity_threshold,

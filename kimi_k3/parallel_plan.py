@@ -86,7 +86,8 @@ def muon_or_adamw(name: str, shape: tuple[int, ...], expert: bool) -> str:
     """The split of ``kimi_k3.muon.build_param_groups``: 2-D matrices and stacked experts (or shared-basis banks) to
     Muon; vectors, embeddings, ``lm_head``, the AttnRes pseudo-queries, the 3-D conv kernels and shared-basis
     coefficients to AdamW."""
-    if len(shape) < 2 or "embed_tokens" in name or "lm_head" in name or name.endswith(("_res_proj.weight", "_coefficients")):
+    adamw_matrices = ("_res_proj.weight", "_coefficients")
+    if len(shape) < 2 or "embed_tokens" in name or "lm_head" in name or name.endswith(adamw_matrices):
         return "adamw"
     return "muon" if len(shape) == 2 or expert or name.endswith(tuple(BASIS_OF_EXPERT_TENSOR)) else "adamw"
 

@@ -116,7 +116,9 @@ class RouterStatistics:
         )
         self.required_biases: list[torch.Tensor] = []
         knots = getattr(self.router, "score_quantiles", None)
-        self.score_counts = None if knots is None else knots.new_zeros(knots.shape[0], knots.shape[1] - 1, dtype=torch.int64)
+        self.score_counts = (
+            None if knots is None else knots.new_zeros(knots.shape[0], knots.shape[1] - 1, dtype=torch.int64)
+        )
 
     def _record(self, router: nn.Module, args: tuple, outputs: tuple) -> None:
         if router.training and torch.is_grad_enabled():

@@ -18,7 +18,8 @@ SCORE_QUANTILE_EMA = 0.9
 
 
 def score_bin_counts(scores: torch.Tensor, knots: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
-    """Counts [E, B] (int64) of the scores [N, E] in each expert's bins between ``knots`` [E, B + 1], real tokens only."""
+    """Counts [E, B] (int64) of the scores [N, E] in each expert's bins between ``knots`` [E, B + 1], real tokens
+    only."""
     num_experts, num_bins = knots.shape[0], knots.shape[1] - 1
     bins = (torch.searchsorted(knots.to(scores.dtype), scores.T.contiguous(), right=True) - 1).clamp_(0, num_bins - 1)
     slots = bins + torch.arange(num_experts, device=bins.device)[:, None] * num_bins
