@@ -510,9 +510,25 @@ def _shape_problems(entry: CheckpointEntry, key: str, shape: tuple[int, ...], re
 
 
 def verify_checkpoint_entries(model, entries: dict[str, CheckpointEntry]) -> None:
-    """Refuse a checkpoint (either layout) that does not hold exactly ``model``'s tensors, naming each offender."""
-    entries = base_model_entries(model, entries)
-    match_checkpoint_tensors(entries, checkpoint_shapes(model, entries), partial(read_checkpoint_tensor, entries))
+    """Refuse a checkpoint (either layout) that does not hold exactly ``model``'s tensors, naming each offender.
+
+    As in transformers, a model class's ``_keys_to_ignore_on_load_missing`` names tensors it may initialise (a new task
+    head) and ``_keys_to_ignore_on_load_unexpected`` tensors it may leave unread.
+    """
+    missing_ok = _any_pattern(model._keys_to_ignore_on_load_missing)
+    unexpected_ok = _any_pattern(model._keys_to_ignore_on_load_unexpected)
+    entries = {
+        name: entry
+        for name, entry in base_model_entries(model, entries).items()
+        if name.startswith(RELEASE_MULTIMODAL_PREFIXES) or not unexpected_ok(name.removeprefix(RELEASE_TEXT_PREFIX))
+    }
+    expected = {name: shape for name, shape in checkpoint_shapes(model, entries).items() if not missing_ok(name)}
+    match_checkpoint_tensors(entries, expected, partial(read_checkpoint_tensor, entries))
+
+
+def _any_pattern(patterns) -> Callable[[str], bool]:
+    compiled = [re.compile(pattern) for pattern in patterns or ()]
+    return lambda name: any(pattern.search(name) for pattern in compiled)
 
 
 def verify_checkpoint_files(model, checkpoint_files: list[str]) -> None:
@@ -549,8 +565,9 @@ def load_checkpoint(load: Callable, model, state_dict, checkpoint_files, load_co
 def _refuse_incomplete_load(model, loading_info) -> None:
     """What the header check cannot see (an in-memory ``state_dict``, failed conversions) is refused after loading.
     Tied copies (``lm_head.weight`` with ``tie_word_embeddings``) are stored once and tied after this check."""
+    missing_ok = _any_pattern(model._keys_to_ignore_on_load_missing)
     missing = loading_info.missing_keys - model.all_tied_weights_keys.keys()
-    problems = [f"missing {name}" for name in sorted(missing)]
+    problems = [f"missing {name}" for name in sorted(missing) if not missing_ok(name)]
     problems += [f"{name}: {error.strip().splitlines()[-1]}" for name, error in loading_info.conversion_errors.items()]
     if problems:
         raise ValueError(_refusal(problems))

@@ -231,6 +231,8 @@ class KimiK3Config(PreTrainedConfig):
     use_grouped_topk: bool = True
     num_expert_group: int = 1
     topk_group: int = 1
+    # Return every MoE layer's router logits (transformers' MoE output convention; K3 trains without an auxiliary loss).
+    output_router_logits: bool = False
 
     # Block Attention Residuals (arXiv:2603.15031); None gives the plain pre-norm residual stream.
     attn_res_block_size: int | None = 4

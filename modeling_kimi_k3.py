@@ -1,8 +1,9 @@
 """PyTorch Kimi K3 text model: Kimi Delta Attention + Gated MLA, Block Attention Residuals, Stable LatentMoE.
 
-The file reads top-down like the architecture: norms and SiTU, KDA kernels and layer, Gated MLA, Block Attention
-Residuals, router, experts, LatentMoE block, decoder layer, model. Attribute names are the released checkpoint's
-state-dict names (``moonshotai/Kimi-K3``, ``model.safetensors.index.json``).
+The file reads top-down like the architecture: norms and SiTU, packed documents (where every mixer restarts), KDA
+kernels and layer, Gated MLA, Block Attention Residuals, router, experts, LatentMoE block, decoder layer, model.
+Attribute names are the released checkpoint's state-dict names (``moonshotai/Kimi-K3``,
+``model.safetensors.index.json``).
 
 References: the Kimi K3 technical report (arXiv:2607.24653; "K3 report" below), Kimi Linear (arXiv:2510.26692) and
 flash-linear-attention's ``fla/ops/kda`` for Kimi Delta Attention, DeepSeek-V2 (arXiv:2405.04434) for MLA, Gated
@@ -30,7 +31,9 @@ from transformers.masking_utils import create_causal_mask, create_recurrent_atte
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
-from transformers.utils import can_return_tuple, logging
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple, logging
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -55,8 +58,15 @@ logger = logging.get_logger(__name__)
 
 # transformers 5.24 renamed the cache argument and output field `past_key_values` to `cache`. Remote code runs under
 # whatever version the user has, so the model returns the cache under the running version's field name and accepts
-# it under either argument name, as transformers' own models do with `deprecate_kwarg`, but without a warning.
+# it under either argument name: where `cache` is the name, `past_key_values` warns that it is deprecated, as
+# transformers' own models do with `deprecate_kwarg`; where `past_key_values` is still the name, it is taken silently.
 CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def accepts_legacy_cache_name(forward: Callable) -> Callable:
+    if CACHE_FIELD == "cache":
+        return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache", raise_if_both_names=True)(forward)
+    return forward
 
 
 def take_cache_argument(cache: Cache | None, kwargs: dict) -> Cache | None:
@@ -183,10 +193,99 @@ class KimiK3MLP(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Packed documents: several documents in one row, as transformers' `DataCollatorWithFlattening` and TRL's padding-free
+# packing lay them out. The model reads the boundaries once per forward; every mixer restarts at them.
+# ---------------------------------------------------------------------------------------------------------------------
+# The keys a padding-free collator adds beside `position_ids` that mark documents (`max_length_q`/`max_length_k` only
+# size flash-attention kernels, and are not needed here).
+PACKED_SEQUENCE_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
+
+
+def packed_document_starts(inputs_embeds, attention_mask, position_ids, packing: dict) -> torch.Tensor | None:
+    """[B, T] bool, True at every token that begins a document after another one in its row; None when the call
+    follows no packing convention.
+
+    A document begins wherever any given convention marks one: flash-attention's cumulative lengths over the flattened
+    batch (``cu_seq_lens_q``, ``cu_seq_lens_k``), a change of ``seq_idx``, or ``position_ids`` that do not continue
+    from the previous token. As in transformers, position ids mark documents only without a 2-D ``attention_mask``:
+    with padding they are positions, and left padding makes them restart.
+    """
+    batch_size, seq_len = inputs_embeds.shape[:2]
+    starts = [
+        _starts_from_cumulative_lengths(packing[name], batch_size, seq_len, name)
+        for name in ("cu_seq_lens_q", "cu_seq_lens_k")
+        if packing.get(name) is not None
+    ]
+    if packing.get("seq_idx") is not None:
+        document_index = _as_rows(packing["seq_idx"], batch_size, seq_len, "seq_idx")
+        starts.append(_first_column_false(document_index[:, 1:] != document_index[:, :-1]))
+    if position_ids is not None and attention_mask is None:
+        positions = _as_rows(position_ids, batch_size, seq_len, "position_ids")
+        starts.append(_first_column_false(positions[:, 1:] != positions[:, :-1] + 1))
+    if not starts:
+        return None
+    return torch.stack([marked.to(inputs_embeds.device) for marked in starts]).any(0)
+
+
+def _as_rows(values: torch.Tensor, batch_size: int, seq_len: int, name: str) -> torch.Tensor:
+    """A per-token tensor [B, T] ([1, T] broadcast over the batch, as collators of one packed row give it)."""
+    if values.ndim != 2 or values.shape[1] != seq_len or values.shape[0] not in (1, batch_size):
+        raise ValueError(
+            f"`{name}` must have shape [batch={batch_size}, seq_len={seq_len}] or [1, {seq_len}], "
+            f"got {tuple(values.shape)}."
+        )
+    return values.expand(batch_size, -1)
+
+
+def _first_column_false(later_starts: torch.Tensor) -> torch.Tensor:
+    return torch.cat([later_starts.new_zeros(later_starts.shape[0], 1), later_starts], dim=1)
+
+
+def _starts_from_cumulative_lengths(cu_seq_lens, batch_size: int, seq_len: int, name: str) -> torch.Tensor:
+    """Document starts from cumulative lengths [n + 1] over the B·T tokens of the flattened batch; a row's first
+    token is a row start, not a start after another document."""
+    total = batch_size * seq_len
+    if cu_seq_lens.ndim != 1 or cu_seq_lens.numel() < 2 or cu_seq_lens.is_floating_point():
+        raise ValueError(
+            f"`{name}` must be a 1-D integer tensor of cumulative document lengths [0, ..., {total}], "
+            f"got dtype {cu_seq_lens.dtype} and shape {tuple(cu_seq_lens.shape)}."
+        )
+    # Reading the values back waits for the device: checked on CPU only, as `input_ids` are.
+    if cu_seq_lens.device.type == "cpu" and not torch.compiler.is_compiling():
+        if cu_seq_lens[0] != 0 or cu_seq_lens[-1] != total or (cu_seq_lens.diff() < 0).any():
+            raise ValueError(
+                f"`{name}` must rise from 0 to batch x seq_len = {total} without decreasing, "
+                f"got {cu_seq_lens.tolist()}."
+            )
+    starts = torch.zeros(total + 1, dtype=torch.bool, device=cu_seq_lens.device)
+    starts = starts.index_fill(0, cu_seq_lens.long(), True)[:total].view(batch_size, seq_len)
+    return _first_column_false(starts[:, 1:])
+
+
+def positions_in_documents(document_starts: torch.Tensor) -> torch.Tensor:
+    """Each token's index [B, T] inside its document (counted from the row start for a row's first document)."""
+    index = torch.arange(document_starts.shape[1], device=document_starts.device).expand_as(document_starts)
+    return index - torch.where(document_starts, index, 0).cummax(-1).values
+
+
+def same_document(document_starts: torch.Tensor) -> Callable:
+    """transformers' mask-function form (``and_mask_function`` of the mask builders): query and key share a document.
+
+    Only for full forwards, where key index = query index (packed documents never continue a cache)."""
+    document_ids = document_starts.cumsum(-1)
+
+    def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
+        return document_ids[batch_idx, q_idx] == document_ids[batch_idx, kv_idx]
+
+    return inner_mask
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Kimi Delta Attention kernels (Kimi Linear §3, K3 report §2.1).
 # Inputs are fp32: q and k already L2-normalised, q scaled.
 # Shapes: q, k [B, T, H, Dk]; v [B, T, H, Dv]; g [B, T, H, Dk] (log-decay, <= 0); beta [B, T, H];
-# state [B, H, Dk, Dv].
+# state [B, H, Dk, Dv]; document_starts [B, T] (bool, True where a packed document begins: the state restarts from
+# zero before that token, as if its decay were e^{-inf} = 0).
 # ---------------------------------------------------------------------------------------------------------------------
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(Σx² + eps): the eps sits inside the square root, as in FLA's l2norm."""
@@ -207,7 +306,7 @@ def kda_decay_gate(
     return lower_bound * torch.sigmoid(A_log.to(dtype).exp()[:, None] * (gate_input + dt_bias))
 
 
-def recurrent_kda(q, k, v, g, beta, initial_state=None):
+def recurrent_kda(q, k, v, g, beta, initial_state=None, document_starts=None):
     """Token-by-token delta rule with per-channel decay (Kimi Linear Eq. 1); used for decoding.
 
     Like `chunk_kda` it ignores autocast: the state recurrence runs in the caller's precision (fp32 in the layer).
@@ -216,6 +315,8 @@ def recurrent_kda(q, k, v, g, beta, initial_state=None):
     state = (
         q.new_zeros(batch_size, num_heads, k_dim, v.shape[-1]) if initial_state is None else initial_state.to(q.dtype)
     )
+    if document_starts is not None:
+        g = g.masked_fill(document_starts[:, :, None, None], float("-inf"))
     outputs = []
     with torch.autocast(q.device.type, enabled=False):
         for t in range(seq_len):
@@ -273,7 +374,10 @@ def _split_chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
     return x.transpose(1, 2).unflatten(2, (-1, chunk_size))
 
 
-def chunk_kda(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, gate_lower_bound: float | None = None):
+def chunk_kda(
+    q, k, v, g, beta, initial_state=None, chunk_size: int = 64, gate_lower_bound: float | None = None,
+    document_starts=None,
+):
     """Chunked KDA: the WY form of Kimi Linear §3.1 (``fla/ops/kda``), equal to `recurrent_kda` up to rounding.
 
     Everything that does not depend on the incoming state (decayed scores, T = (I + L)^-1, U, W) is computed for all
@@ -281,27 +385,50 @@ def chunk_kda(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, gate_l
     sizes the sub-chunks of `kda_intra_chunk_scores`; without it the kernel assumes nothing about g.
     Padding the tail with k = v = g = β = 0 leaves the state untouched, so any length works. Autocast is ignored:
     bf16 matmuls would break the fp32 state recurrence.
+
+    ``document_starts`` resets the state inside the chunk structure: a reset zeroes every decay product that spans
+    it, so each decayed term is masked by "no document starts between its two tokens" (`_decay_masks`) and the
+    chunks still run as one batch of matmuls, whatever the number of documents.
     """
     with torch.autocast(q.device.type, enabled=False):
-        return _chunk_kda(q, k, v, g, beta, initial_state, chunk_size, gate_lower_bound)
+        return _chunk_kda(q, k, v, g, beta, initial_state, chunk_size, gate_lower_bound, document_starts)
 
 
-def _chunk_kda(q, k, v, g, beta, initial_state, chunk_size: int, gate_lower_bound: float | None):
+def _decay_masks(document_starts: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, ...]:
+    """Where a decay product crosses no document start, per chunk [B, 1, N, ...] (a head axis to broadcast over).
+
+    With c the running count of starts inside the chunk, the product from token s to token r (s < r) crosses none
+    iff c_r = c_s; from the incoming state to r iff c_r = 0; from s to the chunk's end iff c_s = c_last. The padded
+    tail counts no start, so it belongs to the last document.
+    """
+    starts = F.pad(document_starts, (0, (-document_starts.shape[1]) % chunk_size))
+    count = starts.unflatten(1, (-1, chunk_size)).cumsum(-1).unsqueeze(1)
+    last = count[..., -1:]
+    return count[..., :, None] == count[..., None, :], count == 0, count == last, last == 0
+
+
+def _chunk_kda(q, k, v, g, beta, initial_state, chunk_size: int, gate_lower_bound: float | None, document_starts):
     batch_size, seq_len, num_heads, k_dim = k.shape
     sub_chunk_size = kda_sub_chunk_size(chunk_size, gate_lower_bound, q.dtype)
     q, k, v, g, beta = (_split_chunks(x, chunk_size) for x in (q, k, v, g, beta))
     gamma = g.cumsum(-2)
     query_key, key_key = kda_intra_chunk_scores(q, k, gamma, sub_chunk_size)
+    decay = gamma.exp()
+    last = gamma[..., -1:, :]
+    keys_to_end = k * (last - gamma).exp()
+    chunk_decay = last.transpose(-1, -2).exp()
+    if document_starts is not None:
+        same_document, from_start, to_end, through_chunk = _decay_masks(document_starts, chunk_size)
+        query_key, key_key = query_key * same_document, key_key * same_document
+        decay, keys_to_end = decay * from_start[..., None], keys_to_end * to_end[..., None]
+        chunk_decay = chunk_decay * through_chunk[..., None]
     eye = torch.eye(chunk_size, dtype=q.dtype, device=q.device)
     lower = beta[..., None] * key_key
     # T = (I + L)^-1 by forward substitution on the unit lower-triangular system.
     transform = torch.linalg.solve_triangular(eye + lower, eye.expand_as(lower), upper=False, unitriangular=True)
-    decay = gamma.exp()
     u = transform @ (beta[..., None] * v)
     w = transform @ (beta[..., None] * k * decay)
-    last = gamma[..., -1:, :]
-    keys_to_end = (k * (last - gamma).exp()).transpose(-1, -2)
-    chunk_decay = last.transpose(-1, -2).exp()
+    keys_to_end = keys_to_end.transpose(-1, -2)
     state = (
         q.new_zeros(batch_size, num_heads, k_dim, v.shape[-1]) if initial_state is None else initial_state.to(q.dtype)
     )
@@ -324,10 +451,28 @@ class KimiK3ShortConvolution(KeepsFloat32Tensors, nn.Conv1d):
     def __init__(self, channels: int, kernel_size: int):
         super().__init__(channels, channels, kernel_size, groups=channels, bias=False, dtype=torch.float32)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, C, context + T] -> [B, C, context + T], causal by left zero padding; one group per channel of x."""
+    def forward(self, x: torch.Tensor, document_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, C, context + T] -> [B, C, context + T], causal by left zero padding; one group per channel of x.
+
+        ``document_positions`` [B, T] (each token's index inside its packed document) limits every output to taps
+        inside its own document; the result is then the last T outputs, [B, C, T].
+        """
         x = F.pad(x.to(self.weight.dtype), (self.kernel_size[0] - 1, 0))
-        return F.silu(F.conv1d(x, self.weight, groups=x.shape[1]))
+        if document_positions is None:
+            return F.silu(F.conv1d(x, self.weight, groups=x.shape[1]))
+        return F.silu(self._within_documents(x, document_positions))
+
+    def _within_documents(self, x: torch.Tensor, document_positions: torch.Tensor) -> torch.Tensor:
+        """The sums of ``conv1d`` tap by tap, Σ_j w[K−1−j] · x[t−j] · [position_t ≥ j]: tap j reads j tokens back,
+        and is kept only where that stays inside the token's document."""
+        kernel_size, seq_len, width = self.kernel_size[0], document_positions.shape[1], x.shape[-1]
+        weight = self.weight.squeeze(1)
+
+        def tap(lag: int) -> torch.Tensor:
+            inside = (document_positions >= lag)[:, None].to(x.dtype)
+            return weight[:, kernel_size - 1 - lag, None] * x[..., width - lag - seq_len : width - lag] * inside
+
+        return sum(tap(lag) for lag in range(kernel_size))
 
 
 class KimiK3DeltaAttention(KeepsFloat32Tensors):
@@ -362,32 +507,37 @@ class KimiK3DeltaAttention(KeepsFloat32Tensors):
         self.o_proj = nn.Linear(projection_size, hidden_size, bias=False)
 
     def _causal_conv(
-        self, x: torch.Tensor, conv: KimiK3ShortConvolution, cache: Cache | None, state_idx: int
+        self, x: torch.Tensor, conv: KimiK3ShortConvolution, cache: Cache | None, state_idx: int,
+        document_positions: torch.Tensor | None,
     ) -> torch.Tensor:
         """Short convolution of x [B, T, C], continuing from the cached left context."""
         seq_len = x.shape[1]
         x = x.transpose(1, 2)
         if cache is not None:
             x = cache.update_conv_state(x, self.layer_idx, state_idx=state_idx, conv_kernel_size=self.conv_kernel_size)
-        return conv(x)[..., -seq_len:].transpose(1, 2)
+        return conv(x, document_positions)[..., -seq_len:].transpose(1, 2)
 
     def forward(
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
+        document_starts: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
+        """``document_starts`` [B, T] (packed documents, see `packed_document_starts`) restarts the short convolutions
+        and the state at the first token of every document."""
         batch_size, seq_len, _ = hidden_states.shape
         if attention_mask is not None:
             # Padding must not reach the short convolutions of real tokens.
             hidden_states = hidden_states * attention_mask[..., None].to(hidden_states.dtype)
         head_shape = (batch_size, seq_len, -1, self.head_dim)
         previous_state = cache.get_recurrent_state(self.layer_idx) if cache is not None else None
+        positions = None if document_starts is None else positions_in_documents(document_starts)
 
-        q = self._causal_conv(self.q_proj(hidden_states), self.q_conv1d, cache, 0).reshape(head_shape)
-        k = self._causal_conv(self.k_proj(hidden_states), self.k_conv1d, cache, 1).reshape(head_shape)
-        v = self._causal_conv(self.v_proj(hidden_states), self.v_conv1d, cache, 2).reshape(head_shape)
+        q = self._causal_conv(self.q_proj(hidden_states), self.q_conv1d, cache, 0, positions).reshape(head_shape)
+        k = self._causal_conv(self.k_proj(hidden_states), self.k_conv1d, cache, 1, positions).reshape(head_shape)
+        v = self._causal_conv(self.v_proj(hidden_states), self.v_conv1d, cache, 2, positions).reshape(head_shape)
         g = kda_decay_gate(self.f_b_proj(self.f_a_proj(hidden_states)), self.A_log, self.dt_bias, self.gate_lower_bound)
         beta = torch.sigmoid(upcast(self.b_proj(hidden_states)))
         if attention_mask is not None:
@@ -402,7 +552,9 @@ class KimiK3DeltaAttention(KeepsFloat32Tensors):
             kernel = recurrent_kda
         else:
             kernel = partial(chunk_kda, gate_lower_bound=self.gate_lower_bound)
-        core, final_state = kernel(q, k, upcast(v), g, beta, initial_state=previous_state)
+        core, final_state = kernel(
+            q, k, upcast(v), g, beta, initial_state=previous_state, document_starts=document_starts
+        )
         if cache is not None:
             cache.update_recurrent_state(final_state, self.layer_idx)
 
@@ -760,15 +912,13 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         cache: Cache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor | None, ...]:
-        """Returns the new partial sum (the hidden state without AttnRes), the attention map and the new block
-        snapshot (each None when there is none)."""
+        """Returns the new partial sum (the hidden state without AttnRes) and the new block snapshot (None when the
+        layer starts no block)."""
         if self.attn_res_block_size is None:
             # Plain pre-norm residual stream (no AttnRes); `block_sum` is then the hidden state.
-            mixed, attn_weights = self.self_attn(
-                self.input_layernorm(block_sum), attention_mask, cache=cache, **kwargs
-            )
+            mixed, _ = self.self_attn(self.input_layernorm(block_sum), attention_mask, cache=cache, **kwargs)
             hidden_states = block_sum + mixed
-            return hidden_states + self.feed_forward(hidden_states), attn_weights, None
+            return hidden_states + self.feed_forward(hidden_states), None
 
         # One stack per layer: each snapshot gets one gradient contribution per layer, summed in the same order
         # whether or not the layer is wrapped (FSDP, checkpointing), so sharded runs match single-process ones bitwise.
@@ -783,12 +933,10 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         if starts_block:
             snapshot = block_sum.clone()  # a copy: reentrant checkpointing cannot return an input as an output
             bank = snapshot.unsqueeze(-2) if bank is None else torch.cat([bank, snapshot.unsqueeze(-2)], dim=-2)
-        mixed, attn_weights = self.self_attn(
-            self.input_layernorm(mixer_input), attention_mask, cache=cache, **kwargs
-        )
+        mixed, _ = self.self_attn(self.input_layernorm(mixer_input), attention_mask, cache=cache, **kwargs)
         block_sum = mixed if starts_block else block_sum + mixed
         ffn_input = block_attention_residual(block_sum, bank, self.mlp_res_proj, self.mlp_res_norm)
-        return block_sum + self.feed_forward(ffn_input), attn_weights, snapshot
+        return block_sum + self.feed_forward(ffn_input), snapshot
 
 
 def build_variants(layer: KimiK3DecoderLayer, config: KimiK3Config) -> None:
@@ -814,9 +962,12 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         "A_log", "dt_bias", "q_conv1d", "k_conv1d", "v_conv1d", "o_norm", "e_score_correction_bias", "score_quantiles"
     ]
     _keys_to_ignore_on_load_unexpected = [r"^vision_tower\.", r"^mm_projector\."]
+    # Attention maps come from the MLA layers only, as in transformers' hybrids (Qwen3-Next, Kimi Linear): KDA has
+    # no attention map to return.
     _can_record_outputs = {
         "router_logits": OutputRecorder(KimiK3TopkRouter, index=0),
         "hidden_states": OutputRecorder(KimiK3DecoderLayer, index=0),
+        "attentions": OutputRecorder(KimiK3MLAAttention, index=1),
     }
 
     @classmethod
@@ -891,6 +1042,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    @accepts_legacy_cache_name
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -901,7 +1053,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
         cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> MoeModelOutputWithPast:
         cache = take_cache_argument(cache, kwargs)
         if (input_ids is None) == (inputs_embeds is None):
@@ -919,32 +1071,32 @@ class KimiK3Model(KimiK3PreTrainedModel):
         _check_cache_type(cache)
         past_length = cache.get_seq_length() if cache is not None else 0
         self._check_lengths(inputs_embeds, attention_mask, cache, past_length)
-        if position_ids is None:
-            position_ids = torch.arange(
-                past_length, past_length + inputs_embeds.shape[1], device=inputs_embeds.device
-            ).unsqueeze(0)
+        document_starts = packed_document_starts(inputs_embeds, attention_mask, position_ids, kwargs)
+        if document_starts is not None and past_length > 0:
+            _check_continues_the_cache(document_starts, kwargs)
+            document_starts = None
 
         # Positional: the cache parameter of the mask builders is named differently across transformers versions.
+        # The model uses no positions (NoPE): position ids only ever mark packed documents, read above.
         mask_args = (self.config, inputs_embeds, attention_mask, cache)
+        within_documents = None if document_starts is None else same_document(document_starts)
         masks = {
-            "full_attention": create_causal_mask(*mask_args, position_ids=position_ids),
-            "linear_attention": create_recurrent_attention_mask(*mask_args, position_ids=position_ids),
+            "full_attention": create_causal_mask(*mask_args, and_mask_function=within_documents),
+            "linear_attention": create_recurrent_attention_mask(*mask_args),
         }
 
-        output_attentions = kwargs.get("output_attentions", self.config.output_attentions)
-        block_sum, blocks, attentions = inputs_embeds, [], []
+        block_sum, blocks = inputs_embeds, []
         for decoder_layer in self.layers:
-            block_sum, attn_weights, snapshot = decoder_layer(
+            block_sum, snapshot = decoder_layer(
                 block_sum,
                 *blocks,
                 attention_mask=masks[decoder_layer.layer_type],
                 cache=cache,
+                document_starts=document_starts,
                 **kwargs,
             )
             if snapshot is not None:
                 blocks.append(snapshot)
-            if output_attentions:  # one entry per layer: None for KDA layers and for attention without maps (sdpa)
-                attentions.append(attn_weights)
         hidden_states = block_sum
         if self.output_attn_res_proj is not None:
             hidden_states = block_attention_residual(
@@ -952,7 +1104,6 @@ class KimiK3Model(KimiK3PreTrainedModel):
             )
         return MoeModelOutputWithPast(
             last_hidden_state=self.norm(hidden_states),
-            attentions=tuple(attentions) if output_attentions else None,
             **{CACHE_FIELD: cache},
         )
 
@@ -992,6 +1143,24 @@ class KimiK3Model(KimiK3PreTrainedModel):
             )
 
 
+def _packing_markers(kwargs: dict, restarting_positions) -> str | None:
+    """What marks the call's rows as packed documents, for an error message; None for one sequence per row."""
+    given = [f"`{name}`" for name in PACKED_SEQUENCE_KEYS if kwargs.get(name) is not None]
+    if restarting_positions:
+        given.append("restarting `position_ids`")
+    return ", ".join(given) or None
+
+
+def _check_continues_the_cache(document_starts: torch.Tensor, packing: dict) -> None:
+    """A forward after cached tokens continues one sequence per row: packed documents are refused there."""
+    markers = _packing_markers(packing, document_starts.any())
+    if markers:
+        raise ValueError(
+            f"Packed documents ({markers}) cannot continue a cache: pack whole documents into forwards without cached "
+            "tokens."
+        )
+
+
 def _check_cache_type(cache: Cache | None) -> None:
     """KDA layers keep a recurrent state and short-conv windows, which only transformers' DynamicCache (built with
     the model config) holds; fixed-size caches (``cache_implementation="static"`` and the other static kinds) do not."""
@@ -1024,6 +1193,24 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    def generate(self, *args, **kwargs):
+        """``GenerationMixin.generate``, refusing packed prompts: it decodes one sequence per row, and a row of packed
+        documents would continue its last document with the others' tokens in the cache."""
+        position_ids = kwargs.get("position_ids")
+        restarting = (
+            isinstance(position_ids, torch.Tensor)
+            and kwargs.get("attention_mask") is None
+            and bool((position_ids.diff(dim=-1) != 1).any())
+        )
+        markers = _packing_markers(kwargs, restarting)
+        if markers:
+            raise ValueError(
+                f"generate() got packed documents ({markers}); give each prompt its own row (padded, with an "
+                "`attention_mask`)."
+            )
+        return super().generate(*args, **kwargs)
+
+    @accepts_legacy_cache_name
     @can_return_tuple
     def forward(
         self,
@@ -1035,7 +1222,7 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> MoeCausalLMOutputWithPast:
         outputs: MoeModelOutputWithPast = self.model(
             input_ids=input_ids,

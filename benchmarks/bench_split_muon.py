@@ -145,7 +145,7 @@ def run(quick: bool = False, repeats: int | None = None) -> dict:
         shapes, patterns = muon_shapes_and_patterns(build_param_groups(KimiK3ForCausalLM(KimiK3Config())))
     itemsize = torch.finfo(getattr(torch, ns_dtype.removeprefix("torch."))).bits // 8
     plan = plan_exchange(shapes, patterns, 2, False, NS_STEPS)
-    per_rank_gflop = [flops / 1e9 for flops in plan.flops_per_rank(NS_STEPS)]
+    per_rank_gflop = [flops / 1e9 for flops in plan.flops_per_rank()]
     traffic = {layout: newton_schulz_exchange_bytes(shapes, patterns, 2, layout == "FSDP2", itemsize)[0][0] / 2**20
                for layout in ("DDP", "FSDP2")}
     whole_update = sum(torch.Size(shape).numel() for shape in shapes) * 4 / 2 / 2**20

@@ -39,6 +39,10 @@ BUILDER_OPTIONS = {"text": {"sample_by": "paragraph"}}
 # tokenizer learns from its first STREAM_TOKENIZER_DOCUMENTS training documents.
 STREAM_PACK_DOCUMENTS = 1000
 STREAM_TOKENIZER_DOCUMENTS = 10_000
+# How the token blocks treat document boundaries (`tokenize_into_blocks`); the first is the default.
+PACKING_MODES = ("documents", "concatenate")
+# The label the loss skips (transformers' `ignore_index`).
+IGNORED_LABEL = -100
 # A streamed validation split has no end to evaluate up to: its first blocks are evaluated, these many by default.
 STREAM_EVAL_BLOCKS = 128
 # A stream starts without reading its files whole: the UTF-8 check reads this much of each.
@@ -340,24 +344,35 @@ def tokenizer_documents(split) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------------------
 # Token blocks
 # ---------------------------------------------------------------------------------------------------------------------
-def tokenize_into_blocks(splits, tokenizer, block_size: int):
+def tokenize_into_blocks(splits, tokenizer, block_size: int, packing: str = "documents"):
     """Documents joined with EOS and cut into ``block_size`` blocks; the last partial block of a split is dropped.
 
-    Labels are the inputs: the model shifts them itself. Every block is full, so no padding and no attention mask.
-    A streamed split is packed on the fly, STREAM_PACK_DOCUMENTS documents at a time.
+    ``packing="documents"`` keeps the document boundaries in the layout of transformers' ``DataCollatorWithFlattening``
+    (`packed_positions_and_labels`): the model reads the restarting ``position_ids`` and starts every document from a
+    fresh state, so no document is trained on its neighbours' context. ``"concatenate"`` gives blocks that run
+    across documents, as in pre-training on one token stream: labels are the inputs, and no position ids.
+    Every block is full, so no padding and no attention mask. A streamed split is packed on the fly,
+    STREAM_PACK_DOCUMENTS documents at a time.
     """
     if block_size < 2:
         raise DataError(f"--block_size must be >= 2, got {block_size}")
+    if packing not in PACKING_MODES:
+        raise DataError(f"--packing must be one of {', '.join(PACKING_MODES)}, got {packing!r}")
 
     def to_blocks(batch):
         documents = tokenizer(batch[TEXT_COLUMN])["input_ids"]
         ids = [token for document in documents for token in [*document, tokenizer.eos_token_id]]
-        blocks = [ids[start : start + block_size] for start in range(0, len(ids) - block_size + 1, block_size)]
-        return {"input_ids": blocks, "labels": blocks}
+        starts = [index == 0 for document in documents for index in range(len(document) + 1)]
+        cuts = range(0, len(ids) - block_size + 1, block_size)
+        blocks = [ids[start : start + block_size] for start in cuts]
+        if packing == "concatenate":
+            return {"input_ids": blocks, "labels": blocks}
+        packed = (packed_positions_and_labels(block, starts[start:]) for block, start in zip(blocks, cuts))
+        positions, labels = zip(*packed) if blocks else ((), ())
+        return {"input_ids": blocks, "position_ids": list(positions), "labels": list(labels)}
 
     def blocks_of(name, split):
-        # In memory, one batch per split: blocks then run across document boundaries, as in pre-training on a token
-        # stream.
+        # In memory, one batch per split, so only the split's last partial block is dropped.
         batch_size = STREAM_PACK_DOCUMENTS if isinstance(split, datasets.IterableDataset) else None
         blocks = split.map(to_blocks, batched=True, batch_size=batch_size, remove_columns=[TEXT_COLUMN])
         empty = next(iter(blocks), None) is None if isinstance(blocks, datasets.IterableDataset) else len(blocks) == 0
@@ -369,6 +384,17 @@ def tokenize_into_blocks(splits, tokenizer, block_size: int):
         return blocks
 
     return type(splits)({name: blocks_of(name, split) for name, split in splits.items()})
+
+
+def packed_positions_and_labels(block: list[int], document_starts: list[bool]) -> tuple[list[int], list[int]]:
+    """Position ids that count from 0 at every document start and at the block's first token (a document cut by the
+    block boundary goes on as a new one), and labels that are the tokens except -100 wherever a count starts: a
+    document's first token has nothing of its own before it to be predicted from."""
+    positions, labels = [], []
+    for index, (token, starts) in enumerate(zip(block, document_starts)):
+        positions.append(0 if starts or index == 0 else positions[-1] + 1)
+        labels.append(IGNORED_LABEL if positions[-1] == 0 else token)
+    return positions, labels
 
 
 def evaluation_blocks(blocks, limit: int | None) -> datasets.Dataset:

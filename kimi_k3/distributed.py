@@ -5,9 +5,9 @@ router statistics in buffers, so ``TrainingArguments(ddp_broadcast_buffers=False
 ``QuantileBalancingCallback`` keep every rank's bias identical (hf-integration.md §3.3, training.md §1.10).
 
 FSDP2 stores every parameter as a ``DTensor`` sharded along dim 0. :class:`~kimi_k3.muon.PerHeadMuon` (and so
-``PerHeadMuonFactory`` in ``Trainer``) takes such parameters as they are: it all-gathers each Muon update before
-Newton–Schulz, whose head blocks a shard boundary would otherwise cut (training.md §2.6); its QK-Clip scales the
-rows of each rank's shard.
+``PerHeadMuonFactory`` in ``Trainer``) takes such parameters as they are: it orthogonalises the blocks inside each
+rank's shard there and exchanges only the blocks a shard boundary cuts (:mod:`kimi_k3.split_newton_schulz`), also
+under expert parallelism; its QK-Clip scales the rows of each rank's shard.
 
 Two ways to shard: :func:`shard_decoder_layers` on a model built in memory (what ``accelerate``'s FSDP2 plugin does
 on GPUs with ``configs/accelerate_fsdp2.yaml``), or transformers' own sharding while loading a saved model,

@@ -77,6 +77,8 @@ class TrainingSummary:
     qat: str = "none"
     weights_on_disk: str = "this project's layout"
     qk_clip: str = "off"
+    # `kimi_k3.data.PACKING_MODES`: whether the blocks kept their document boundaries.
+    packing: str = "documents"
 
 
 def parameter_counts(model: torch.nn.Module) -> dict[str, int]:

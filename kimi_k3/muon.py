@@ -14,10 +14,11 @@ A Muon group may tag its parameters with
 Every block, of every parameter, that has the same shape goes through one batched Newton–Schulz chain.
 
 Under torch.distributed, Newton–Schulz is split across the ranks (:mod:`kimi_k3.split_newton_schulz`): each rank
-orthogonalises about 1/N of the blocks and the results are exchanged, for replicated (DDP) parameters and for FSDP2
-``DTensor`` shards along dim 0, whose boundaries generally cut through a head block (training.md §2.6). Momentum,
-decay and AdamW are elementwise and run on the shards as they are. Every rank ends the step with bitwise the
-single-process update. :func:`newton_schulz_exchange_bytes` is the per-step communication of that scheme.
+orthogonalises about 1/N of the blocks and the results are exchanged, for replicated (DDP) parameters and for
+``DTensor`` shards (FSDP2, expert parallelism's 2-D mesh, tensor parallelism), where a block inside a rank's shard
+(every expert matrix under expert parallelism) is orthogonalised there and only blocks cut by a shard boundary
+travel. Momentum, decay and AdamW are elementwise and run on the shards as they are. Every rank ends the step with
+bitwise the single-process update. :func:`newton_schulz_exchange_bytes` is the per-step communication of that scheme.
 """
 
 import functools
@@ -25,22 +26,26 @@ import itertools
 import math
 import re
 from collections import defaultdict
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.adamw import adamw
 
 from checkpoint_format_kimi_k3 import EXPERT_LAYOUT, expert_block_rows
 from variants_kimi_k3 import BASIS_OF_EXPERT_TENSOR
 from kimi_k3.precision import matmul_dtype
 from kimi_k3.qk_clip import QKClip
+from kimi_k3.shard_layout import LayoutError, check_local_shard
+from kimi_k3.newton_schulz_exchange import CutBlockExchange, assemble_sharded, orthogonalize_replicated
 from kimi_k3.split_newton_schulz import (
-    ExchangePlan,
-    exchange_bytes,
-    orthogonalize_split,
+    Domain,
+    ShardedPlan,
+    Tiling,
+    group_holdings,
     plan_exchange,
-    sharded_exchange_bytes,
+    plan_replicated,
     split_domain,
 )
 
@@ -104,15 +109,19 @@ def merge_row_blocks(blocks, pattern, shape):
 
 
 def gather_whole_matrix(update):
-    """A sharded (``DTensor``) update all-gathered into a replicated ``DTensor``; a plain tensor as it is.
+    """A sharded (``DTensor``) update all-gathered into a whole plain tensor on every rank; a plain tensor as it is.
 
-    The path of updates whose Newton–Schulz cannot be split (``split_newton_schulz=False``, or a layout other than
-    replicated or dim-0 sharded over a 1-D mesh): every rank orthogonalises every block, and adding the replicated
-    update to the sharded parameter keeps each rank's rows locally. Bitwise the single-process update.
+    The path of ``split_newton_schulz=False``: every rank orthogonalises every block of every update, then keeps its
+    own shard of the result (:func:`shard_like`). Bitwise the single-process update.
     """
+    return update.full_tensor() if isinstance(update, DTensor) else update
+
+
+def shard_like(update, whole):
+    """This rank's shard of ``whole`` in the layout of ``update`` (local slicing, no communication)."""
     if isinstance(update, DTensor):
-        return update.redistribute(placements=[Replicate()] * update.device_mesh.ndim)
-    return update
+        return distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)
+    return whole
 
 
 def orthogonalize_by_shape(stacks, dtype=torch.bfloat16):
@@ -130,8 +139,8 @@ def orthogonalize_by_shape(stacks, dtype=torch.bfloat16):
 
 
 def orthogonalize_whole(updates, patterns, dtypes, orthogonalize):
-    """Every block on this process: per update, (orthogonalised update of its shape, alpha scale)."""
-    updates = [gather_whole_matrix(update) for update in updates]
+    """Every block on this process: per update, (orthogonalised update in its layout, alpha scale)."""
+    layouts, updates = updates, [gather_whole_matrix(update) for update in updates]
     stacks = [split_row_blocks(update, pattern) for update, pattern in zip(updates, patterns)]
     orthogonal = iter(orthogonalize([stack for per_param in stacks for stack in per_param]))
     results = []
@@ -143,17 +152,25 @@ def orthogonalize_whole(updates, patterns, dtypes, orthogonalize):
         else:
             blocks, scale = [block.to(dtype) * _match_rms_scale(block) for block in blocks], 1.0
         results.append((merge_row_blocks(blocks, pattern, update.shape), scale))
-    return results
+    return [(shard_like(layout, whole), scale) for layout, (whole, scale) in zip(layouts, results)]
 
 
 def newton_schulz_exchange_bytes(shapes, patterns, world_size, sharded, itemsize=torch.bfloat16.itemsize):
     """(bytes sent, bytes received) per rank and optimizer step by split Newton–Schulz, for Muon parameters of global
     ``shapes`` with block ``patterns`` (``row_pattern`` of their groups; None = whole matrices), replicated (DDP)
-    or dim-0 sharded (FSDP2) over ``world_size`` ranks. See :mod:`kimi_k3.split_newton_schulz` for the scheme.
-    ``itemsize`` is that of the optimizer's ``ns_dtype``: bf16 (2) by default, fp32 (4) where bf16 is emulated."""
-    if sharded:
-        return sharded_exchange_bytes(shapes, patterns, world_size, NS_STEPS, itemsize)
-    return exchange_bytes(plan_exchange(shapes, patterns, world_size, sharded, NS_STEPS), itemsize)
+    or dim-0 sharded (FSDP2) over ``world_size`` ranks. See :mod:`kimi_k3.split_newton_schulz` for the scheme and for
+    other layouts (``ShardedPlan``). ``itemsize`` is that of the optimizer's ``ns_dtype``: bf16 (2) by default, fp32 (4)
+    where bf16 is emulated."""
+    return plan_exchange(shapes, patterns, world_size, sharded, NS_STEPS).exchange_bytes(itemsize)
+
+
+class MuonJob(NamedTuple):
+    """One Muon parameter of a step, with its group, block pattern and name (for error messages)."""
+
+    param: torch.Tensor
+    group: dict
+    pattern: tuple[int, ...] | None
+    name: str
 
 
 def muon_shapes_and_patterns(param_groups):
@@ -182,9 +199,10 @@ class PerHeadMuon(torch.optim.Optimizer):
     be 15-100x slower; ``"bfloat16"`` or ``"float32"`` force one.
 
     Under an initialised process group of several ranks Newton–Schulz is split across the ranks
-    (:mod:`kimi_k3.split_newton_schulz`), with plain parameters taken as replicated, as DDP keeps them;
-    ``split_newton_schulz=False`` makes every rank orthogonalise every block instead (e.g. for parameters that
-    differ between ranks). A single process is unaffected.
+    (:mod:`kimi_k3.split_newton_schulz`), with plain parameters taken as replicated, as DDP keeps them, and DTensors
+    by their layout (FSDP2, expert and tensor parallelism); a layout it cannot describe is refused at the first step,
+    naming the parameter. ``split_newton_schulz=False`` makes every rank gather and orthogonalise every block instead
+    (e.g. for parameters that differ between ranks). A single process is unaffected.
     """
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, betas=(0.9, 0.95),
@@ -202,7 +220,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         first_param = next(p for group in self.param_groups for p in group["params"])
         self.ns_dtype = matmul_dtype(ns_dtype, first_param.device)
         self.split_newton_schulz = split_newton_schulz
-        self._plans: dict[tuple, ExchangePlan] = {}
+        self._plans: dict[tuple, object] = {}
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
@@ -242,54 +260,103 @@ class PerHeadMuon(torch.optim.Optimizer):
         return loss
 
     def _muon_step(self, groups):
-        jobs = [(p, group, row_pattern(group)) for group in groups for p in group["params"] if p.grad is not None]
-        updates = [self._nesterov_momentum(p, group) for p, group, _ in jobs]
-        for (p, group, _), (update, scale) in zip(jobs, self._orthogonalize(jobs, updates)):
-            p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.add_(update, alpha=-group["lr"] * scale)
-
-    def _orthogonalize(self, jobs, updates):
-        """(orthogonalised update, alpha scale) per job: split across ranks where the layout allows, else whole."""
+        jobs = [MuonJob(p, group, row_pattern(group), name) for group in groups
+                for p, name in zip(group["params"], _param_names(group)) if p.grad is not None]
         by_domain = defaultdict(list)
-        for index, update in enumerate(updates):
-            by_domain[split_domain(update) if self.split_newton_schulz else None].append(index)
-        results = [None] * len(jobs)
-        orthogonalize = functools.partial(orthogonalize_by_shape, dtype=self.ns_dtype)
-        for domain, indices in by_domain.items():
-            patterns = [jobs[i][2] for i in indices]
-            dtypes = [jobs[i][0].dtype for i in indices]
-            selected = [updates[i] for i in indices]
-            if domain is None:
-                outputs = orthogonalize_whole(selected, patterns, dtypes, orthogonalize)
+        for job in jobs:
+            by_domain[self._domain(job)].append(job)
+        for domain, members in by_domain.items():
+            if domain is not None and domain.sharded:
+                self._sharded_step(domain, members)
             else:
-                plan = self._plan(domain, selected, patterns)
-                outputs = orthogonalize_split(selected, patterns, dtypes, domain, plan, orthogonalize, self.ns_dtype,
-                                              _match_rms_scale_of_shape)
-            for index, output in zip(indices, outputs):
-                results[index] = output
-        return results
+                updates = [self._nesterov_update(job.param, job.group, self._advance_momentum(job)) for job in members]
+                for job, (update, scale) in zip(members, self._orthogonalize_together(domain, members, updates)):
+                    self._apply(job, update, scale)
 
-    def _plan(self, domain, updates, patterns):
-        """The block assignment of ``domain`` for these shapes, computed once (every rank computes the same)."""
-        shapes = tuple(tuple(update.shape) for update in updates)
-        key = (domain, shapes, tuple(patterns))
+    def _domain(self, job) -> Domain | None:
+        """Where the job's Newton–Schulz runs; a layout the split cannot describe is refused, naming the parameter."""
+        if not self.split_newton_schulz:
+            return None
+        try:
+            return split_domain(job.param)
+        except LayoutError as error:
+            raise ValueError(f"Per-Head Muon cannot split Newton–Schulz of {_describe(job)}: {error}; pass "
+                             "split_newton_schulz=False to orthogonalise whole matrices on every rank.") from None
+
+    def _orthogonalize_together(self, domain, jobs, updates):
+        """(orthogonalised update, alpha scale) per job, with every update of the step at hand: on this process alone
+        (``domain`` None), or split over the replicated ranks of ``domain``."""
+        orthogonalize = functools.partial(orthogonalize_by_shape, dtype=self.ns_dtype)
+        patterns, dtypes = [job.pattern for job in jobs], [job.param.dtype for job in jobs]
+        if domain is None:
+            return orthogonalize_whole(updates, patterns, dtypes, orthogonalize)
+        key = (domain, tuple(tuple(update.shape) for update in updates), tuple(patterns))
         if key not in self._plans:
+            _check_replicated(updates, domain.group)
             world_size = dist.get_world_size(domain.group)
-            plan = plan_exchange(shapes, patterns, world_size, domain.sharded, NS_STEPS)
-            if domain.sharded:
-                _check_chunked_rows(updates, plan, dist.get_rank(domain.group))
-            else:
-                _check_replicated(updates, domain.group)
-            self._plans[key] = plan
+            self._plans[key] = plan_replicated([u.shape for u in updates], patterns, world_size, NS_STEPS)
+        return orthogonalize_replicated(updates, patterns, dtypes, domain.group, self._plans[key], orthogonalize,
+                                        self.ns_dtype, _match_rms_scale_of_shape)
+
+    def _sharded_step(self, domain, jobs):
+        """Momentum first; then each update is formed twice, once for the pieces of cut blocks that travel and once for
+        this rank's own rows, so that a step holds one parameter's update at a time besides those pieces."""
+        plan = self._sharded_plan(domain, jobs)
+        rank = dist.get_rank(domain.group)
+        buffers = [self._advance_momentum(job) for job in jobs]
+        orthogonalize = functools.partial(orthogonalize_by_shape, dtype=self.ns_dtype)
+        exchange = CutBlockExchange(plan, rank, self.ns_dtype, jobs[0].param.device)
+        for index, (job, buffer) in enumerate(zip(jobs, buffers)):
+            if exchange.holds_cut_pieces(index):
+                exchange.take(index, _local_matrix(self._nesterov_update(job.param, job.group, buffer)))
+        results = exchange.run(orthogonalize, domain.group)
+        for index, (job, buffer) in enumerate(zip(jobs, buffers)):
+            update, scale = assemble_sharded(plan, rank, index, self._nesterov_update(job.param, job.group, buffer),
+                                             results, orthogonalize, job.param.dtype, self.ns_dtype,
+                                             _match_rms_scale_of_shape)
+            self._apply(job, update, scale)
+
+    def _sharded_plan(self, domain, jobs) -> ShardedPlan:
+        """The block assignment of ``domain`` for these parameters' shapes and layouts, computed once (every rank
+        computes the same); on that first step each rank checks that the shard it computed for itself is its own."""
+        layouts = [(tuple(job.param.shape), job.param.device_mesh, job.param.placements) for job in jobs]
+        key = (domain, tuple(layouts), tuple(job.pattern for job in jobs))
+        if key not in self._plans:
+            rank = dist.get_rank(domain.group)
+            by_layout = {}  # parameters laid out alike share one holdings tuple, and so one analysis in the plan
+            for job, layout in zip(jobs, layouts):
+                if layout not in by_layout:
+                    by_layout[layout] = group_holdings(job.param, domain.group)
+                try:
+                    check_local_shard(job.param, by_layout[layout][rank])
+                except LayoutError as error:
+                    raise ValueError(f"Per-Head Muon cannot split Newton–Schulz of {_describe(job)}: {error}.") \
+                        from None
+            tilings = [Tiling.of(job.param.shape, job.pattern) for job in jobs]
+            self._plans[key] = ShardedPlan(tilings, [by_layout[layout] for layout in layouts], NS_STEPS)
         return self._plans[key]
 
-    def _nesterov_momentum(self, p, group):
-        state = self.state[p]
+    def newton_schulz_plans(self) -> list:
+        """The block assignments of the steps so far (``kimi_k3.split_newton_schulz`` plans), for planners and
+        tests that compare them with a layout's."""
+        return list(self._plans.values())
+
+    def _advance_momentum(self, job):
+        state = self.state[job.param]
         if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p)
+            state["momentum_buffer"] = torch.zeros_like(job.param)
         buffer = state["momentum_buffer"]
-        buffer.mul_(group["momentum"]).add_(p.grad)
+        buffer.mul_(job.group["momentum"]).add_(job.param.grad)
+        return buffer
+
+    @staticmethod
+    def _nesterov_update(p, group, buffer):
         return p.grad.add(buffer, alpha=group["momentum"]) if group["nesterov"] else buffer
+
+    @staticmethod
+    def _apply(job, update, scale):
+        job.param.mul_(1 - job.group["lr"] * job.group["weight_decay"])
+        job.param.add_(update, alpha=-job.group["lr"] * scale)
 
     def _adamw_step(self, group):
         params = [p for p in group["params"] if p.grad is not None]
@@ -304,6 +371,26 @@ class PerHeadMuon(torch.optim.Optimizer):
         adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
               [], [s["step"] for s in states], amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
               weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+
+
+def _param_names(group):
+    unnamed = [f"parameter {i} of shape {tuple(p.shape)}" for i, p in enumerate(group["params"])]
+    return group.get("param_names") or unnamed
+
+
+def _describe(job) -> str:
+    """The parameter's name with its layout, for one-line refusals."""
+    layout = ""
+    if isinstance(job.param, DTensor):
+        mesh = job.param.device_mesh
+        layout = f" (placements {tuple(job.param.placements)} on a mesh of shape {tuple(mesh.mesh.shape)}"
+        layout += f" named {mesh.mesh_dim_names})" if mesh.mesh_dim_names else ")"
+    return f"{job.name}{layout}"
+
+
+def _local_matrix(tensor):
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.reshape(math.prod(local.shape[:-1]), local.shape[-1])
 
 
 def _match_rms_scale(block):
@@ -328,19 +415,6 @@ def _check_replicated(updates, group):
             "tensors under torch.distributed, as DDP keeps them); pass split_newton_schulz=False when each rank "
             "trains its own model."
         )
-
-
-def _check_chunked_rows(updates, plan, rank):
-    """Each rank's shard must be the rows ``torch.chunk`` gives it (FSDP2's dim-0 layout), or the exchange is wrong."""
-    for param, update in enumerate(updates):
-        lo, hi = plan.row_ranges[param][rank]
-        local_rows = math.prod(update.to_local().shape[:-1])
-        if local_rows != hi - lo:
-            raise ValueError(
-                f"A sharded Muon parameter of shape {tuple(update.shape)} holds {local_rows} rows on rank {rank}, not "
-                f"the {hi - lo} of torch.chunk along dim 0; pass split_newton_schulz=False to orthogonalise whole "
-                "matrices on every rank."
-            )
 
 
 def _check_group(group):
@@ -372,7 +446,8 @@ def _check_group(group):
 def build_param_groups(model, weight_decay=0.1, adamw_lr=None, split_kv=True):
     """Param groups of a Kimi K3 model (training.md §2.4); head sizes come from ``model.config``.
 
-    Muon: every trainable 2-D weight (KDA q/k/v in ``linear_attn_config["head_dim"]`` row blocks; MLA q_b_proj in
+    Each group lists its parameters' names under ``param_names`` (torch's named param groups). Muon: every trainable
+    2-D weight (KDA q/k/v in ``linear_attn_config["head_dim"]`` row blocks; MLA q_b_proj in
     nope+rope blocks; kv_b_proj in (nope, v) or nope+v blocks; the rest whole), and the stacked experts per expert
     (shared-basis experts: each basis matrix, split like an expert; their coefficients go to AdamW).
     AdamW: embeddings, lm_head, conv kernels and the [1, hidden] AttnRes pseudo-queries (with decay), and 1-D tensors
@@ -389,10 +464,11 @@ def build_param_groups(model, weight_decay=0.1, adamw_lr=None, split_kv=True):
     for name, p in model.named_parameters():
         if p.requires_grad:
             tag, layer_type = _group_tag(name, p, config, head_rows)
-            by_tag[tag].append(p)
+            by_tag[tag].append((name, p))
             tagged_layer_types.add(layer_type)
     _require_head_blocks(head_rows, set(config.layer_types) - tagged_layer_types)
-    groups = [{"params": params, **dict(tag)} for tag, params in by_tag.items()]
+    groups = [{"params": [p for _, p in named], "param_names": [name for name, _ in named], **dict(tag)}
+              for tag, named in by_tag.items()]
     for group in groups:
         if not group["use_muon"] and adamw_lr is not None:
             group["lr"] = adamw_lr

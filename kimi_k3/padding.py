@@ -1,6 +1,7 @@
-"""Which tokens of the forward in progress are real, for statistics that must not count padding.
+"""Which tokens of the forward in progress are real, and where its packed documents begin, for statistics that must
+not count padding nor pairs of tokens from two documents.
 
-The model needs no such mask (its attention masks handle padding), so recorders that attach from outside
+The model needs no such record (its attention masks handle padding and packing), so recorders that attach from outside
 (:mod:`kimi_k3.quantile_balancing`, :mod:`kimi_k3.qk_clip`) read it from a :class:`PaddingTracker` on the decoder stack.
 """
 
@@ -8,6 +9,8 @@ import inspect
 
 import torch
 from torch import nn
+
+from modeling_kimi_k3 import packed_document_starts
 
 
 def decoder_stack(model: nn.Module) -> nn.Module:
@@ -19,15 +22,19 @@ def decoder_stack(model: nn.Module) -> nn.Module:
 
 
 class PaddingTracker:
-    """Keeps ``token_mask`` [batch·seq] (True = real token, in the flattened order routers see) of the current forward.
+    """Keeps ``token_mask`` [batch·seq] (True = real token, in the flattened order routers see) and
+    ``document_starts`` [batch, seq] (True where a packed document begins, as the model reads them) of the current
+    forward.
 
     A forward pre-hook on the decoder stack reads the call's 2-D ``attention_mask`` (its last ``seq`` columns, as
-    cached steps prepend past positions); the mask is None for an unpadded call or a custom 4-D mask.
+    cached steps prepend past positions); the mask is None for an unpadded call or a custom 4-D mask. The document
+    starts come from the call's packing keys through the model's own `packed_document_starts`; None when unpacked.
     """
 
     def __init__(self, model: nn.Module):
         stack = decoder_stack(model)
         self.token_mask: torch.Tensor | None = None
+        self.document_starts: torch.Tensor | None = None
         self._signature = inspect.signature(stack.forward)
         self._handle = stack.register_forward_pre_hook(self._capture, with_kwargs=True)
 
@@ -35,9 +42,12 @@ class PaddingTracker:
         call = self._signature.bind_partial(*args, **kwargs).arguments
         mask = call.get("attention_mask")
         inputs = call.get("input_ids") if call.get("input_ids") is not None else call.get("inputs_embeds")
-        self.token_mask = None
-        if mask is not None and mask.ndim == 2 and inputs is not None:
+        self.token_mask = self.document_starts = None
+        if inputs is None:
+            return
+        if mask is not None and mask.ndim == 2:
             self.token_mask = mask[:, -inputs.shape[1] :].bool().reshape(-1)
+        self.document_starts = packed_document_starts(inputs, mask, call.get("position_ids"), call.get("kwargs", {}))
 
     def rows(self, num_rows: int) -> torch.Tensor | None:
         """The mask for a tensor of ``num_rows`` token rows; an error if the rows are not the forward's tokens."""

@@ -1,13 +1,15 @@
-"""Per-rank memory and per-step communication of a Kimi K3 training run, computed from the config alone.
+"""Per-rank memory and per-step communication of a Kimi K3 training run, for a layout of ranks.
 
-The plan lists every parameter tensor the model builds (from the config fields, the way the model classes size
-them), shards it the way the project's two FSDP2 paths do (:func:`kimi_k3.distributed.shard_decoder_layers`, and
-transformers' load-time sharding with ``DistributedConfig(fsdp_size, ep_size)`` and
-``KimiK3Config.base_model_ep_plan``), and sizes the optimizer state :class:`kimi_k3.muon.PerHeadMuon` allocates.
-Those counts are exact, in elements, and :mod:`kimi_k3.parallel_verify` checks them against the sharded model and
-optimizer on the meta device. Activations, FSDP gather buffers, the Newton–Schulz workspace and the communication
-volumes are estimates from the shapes (the communication of Newton–Schulz and Quantile Balancing is checked against
-a 2-process run in the tests).
+The plan reads the model: its parameters, the optimizer's Muon blocks and step order come from the model built on the
+meta device and :func:`kimi_k3.muon.build_param_groups` (:mod:`kimi_k3.model_inventory`). It shards every parameter
+the way the project's two FSDP2 paths do (:func:`kimi_k3.distributed.shard_decoder_layers`, and transformers'
+load-time sharding with ``DistributedConfig(fsdp_size, ep_size)`` and ``KimiK3Config.base_model_ep_plan``), stated
+once as DTensor placements (:func:`planned_placements`) from which :mod:`kimi_k3.shard_layout` derives what every
+rank holds, and sizes the optimizer state :class:`kimi_k3.muon.PerHeadMuon` allocates. Newton–Schulz's work,
+exchange and workspace come from the block assignment the optimizer itself runs
+(:class:`kimi_k3.split_newton_schulz.ShardedPlan`) on those placements. :mod:`kimi_k3.parallel_verify` checks the
+counts, the placements and the assignment against the sharded model and optimizer on the meta device. Activations,
+FSDP gather buffers, the Newton–Schulz workspace and the communication volumes are estimates from the shapes.
 
 Sharding rule (torch.chunk along dim 0, as FSDP2 does): over a group of g ranks a tensor of d0 rows keeps
 ceil(d0 / g) rows per rank (the last ranks fewer, but FSDP2 pads every rank's storage to that size). Under expert
@@ -18,11 +20,16 @@ Units: bytes, shown as GB = 1e9 bytes.
 """
 
 import contextlib
-import math
-from dataclasses import dataclass, field, replace
+import functools
+from dataclasses import dataclass, field
 
-from kimi_k3.muon import _LAYER_PARAM, _head_rows_by_layer_type, newton_schulz_exchange_bytes
-from variants_kimi_k3 import BASIS_OF_EXPERT_TENSOR
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from kimi_k3.model_inventory import ParamSpec, model_inventory
+from kimi_k3.muon import NS_STEPS
+from kimi_k3.shard_layout import Holding, holding_at, mesh_holdings
+from kimi_k3.split_newton_schulz import ShardedPlan, Tiling
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZERS = ("muon", "adamw")
@@ -32,10 +39,11 @@ INT64_BYTES = 8
 FP32_BYTES = 4
 GB = 1e9
 KDA_CHUNK_SIZE = 64
-NEWTON_SCHULZ_ROWS = ("Newton-Schulz all-to-all (split blocks)", "Newton-Schulz all-gather (expert updates)")
+NEWTON_SCHULZ_ROW = "Newton-Schulz all-to-all (cut blocks)"
 QUANTILE_BALANCING_ROW = "Quantile Balancing all-reduce"
-# Attention projections LoRA adapts by default (peft ``target_modules`` names, matched on the module's last name).
-DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_b_proj", "kv_b_proj")
+# Copies of a batch of blocks Newton–Schulz holds at once: the input cast, the iterate, the Gram matrix and its
+# polynomial (at most the iterate's size each), and the output.
+NEWTON_SCHULZ_COPIES = 5
 
 
 class PlanError(ValueError):
@@ -43,207 +51,16 @@ class PlanError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# What the model holds
+# What the training policies hold beside the model
 # ---------------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class ParamSpec:
-    """One parameter tensor: its FSDP2 unit ("root" or "layers.<i>"), whether it is a stacked-expert tensor (split by
-    expert parallelism), which half of Per-Head Muon updates it, and whether backward ever gives it a gradient."""
-
-    name: str
-    shape: tuple[int, ...]
-    unit: str
-    optimizer: str
-    expert: bool = False
-    trainable: bool = True
-    receives_grad: bool = True
-    muon_tag: tuple | None = None  # ("head_rows" | "expert_rows", rows of one block): PerHeadMuon's group key
-
-    @property
-    def block_pattern(self) -> tuple[int, ...] | None:
-        """``kimi_k3.muon.row_pattern`` of the parameter's group: rows of each block of a period, None = whole."""
-        if self.muon_tag is None:
-            return None
-        rows = self.muon_tag[1]
-        return (rows,) if isinstance(rows, int) else tuple(rows)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-@dataclass(frozen=True)
 class BufferSpec:
-    """A buffer every rank keeps whole (routers' statistics and bias, MLA logit maxima)."""
+    """A buffer every rank keeps whole (routers' statistics, MLA logit maxima)."""
 
     name: str
     numel: int
     itemsize: int
     category: str
-
-
-def muon_or_adamw(name: str, shape: tuple[int, ...], expert: bool) -> str:
-    """The split of ``kimi_k3.muon.build_param_groups``: 2-D matrices and stacked experts (or shared-basis banks) to
-    Muon; vectors, embeddings, ``lm_head``, the AttnRes pseudo-queries, the 3-D conv kernels and shared-basis
-    coefficients to AdamW."""
-    adamw_matrices = ("_res_proj.weight", "_coefficients")
-    if len(shape) < 2 or "embed_tokens" in name or "lm_head" in name or name.endswith(adamw_matrices):
-        return "adamw"
-    return "muon" if len(shape) == 2 or expert or name.endswith(tuple(BASIS_OF_EXPERT_TENSOR)) else "adamw"
-
-
-def _linear(name, out_features, in_features, unit):
-    return name, (out_features, in_features), unit
-
-
-def _layer_params(config, i: int) -> list[tuple]:
-    """(name, shape, unit) of decoder layer ``i``, in the model's naming."""
-    h, unit, prefix = config.hidden_size, f"layers.{i}", f"model.layers.{i}"
-    params = [(f"{prefix}.input_layernorm.weight", (h,), unit), (f"{prefix}.post_attention_layernorm.weight", (h,), unit)]
-    if config.attn_res_block_size is not None:
-        for kind in ("self_attention", "mlp"):
-            params += [_linear(f"{prefix}.{kind}_res_proj.weight", 1, h, unit), (f"{prefix}.{kind}_res_norm.weight", (h,), unit)]
-    attn = f"{prefix}.self_attn"
-    if config.layer_types[i] == "linear_attention":
-        kda = config.linear_attn_config
-        heads, head_dim, kernel = kda["num_heads"], kda["head_dim"], kda["short_conv_kernel_size"]
-        proj = heads * head_dim
-        params += [_linear(f"{attn}.{p}_proj.weight", proj, h, unit) for p in "qkv"]
-        params += [(f"{attn}.{p}_conv1d.weight", (proj, 1, kernel), unit) for p in "qkv"]
-        params += [_linear(f"{attn}.f_a_proj.weight", head_dim, h, unit), _linear(f"{attn}.f_b_proj.weight", proj, head_dim, unit),
-                   (f"{attn}.A_log", (heads,), unit), (f"{attn}.dt_bias", (proj,), unit),
-                   _linear(f"{attn}.b_proj.weight", heads, h, unit), _linear(f"{attn}.g_proj.weight", proj, h, unit),
-                   (f"{attn}.o_norm.weight", (head_dim,), unit), _linear(f"{attn}.o_proj.weight", h, proj, unit)]
-    else:
-        heads, qk = config.num_attention_heads, config.qk_nope_head_dim + config.qk_rope_head_dim
-        if config.q_lora_rank is None:
-            params.append(_linear(f"{attn}.q_proj.weight", heads * qk, h, unit))
-        else:
-            params += [_linear(f"{attn}.q_a_proj.weight", config.q_lora_rank, h, unit),
-                       (f"{attn}.q_a_layernorm.weight", (config.q_lora_rank,), unit),
-                       _linear(f"{attn}.q_b_proj.weight", heads * qk, config.q_lora_rank, unit)]
-        params += [_linear(f"{attn}.kv_a_proj_with_mqa.weight", config.kv_lora_rank + config.qk_rope_head_dim, h, unit),
-                   (f"{attn}.kv_a_layernorm.weight", (config.kv_lora_rank,), unit),
-                   _linear(f"{attn}.kv_b_proj.weight", heads * (config.qk_nope_head_dim + config.v_head_dim),
-                           config.kv_lora_rank, unit)]
-        if config.mla_use_output_gate:
-            params.append(_linear(f"{attn}.g_proj.weight", heads * config.v_head_dim, h, unit))
-            if config.attention_gate_routing and config.mlp_layer_types[i] == "sparse":
-                params.append((f"{attn}.g_proj.routing_weight", (heads, config.num_experts), unit))
-        params.append(_linear(f"{attn}.o_proj.weight", h, heads * config.v_head_dim, unit))
-    if config.mlp_layer_types[i] == "sparse":
-        params += _moe_params(config, f"{prefix}.block_sparse_moe", unit)
-    else:
-        params += _mlp_params(f"{prefix}.mlp", h, config.intermediate_size, unit)
-    return params
-
-
-def _mlp_params(prefix, hidden, intermediate, unit):
-    return [_linear(f"{prefix}.gate_proj.weight", intermediate, hidden, unit),
-            _linear(f"{prefix}.up_proj.weight", intermediate, hidden, unit),
-            _linear(f"{prefix}.down_proj.weight", hidden, intermediate, unit)]
-
-
-def _moe_params(config, prefix, unit):
-    h, latent, experts = config.hidden_size, config.routed_expert_hidden_size, config.num_experts
-    width = latent or h
-    params = [_linear(f"{prefix}.gate.weight", experts, h, unit)]
-    if config.num_coarse_experts is not None:
-        params.append(_linear(f"{prefix}.gate.coarse_gate.weight", config.num_coarse_experts, h, unit))
-    if latent is not None:
-        params += [_linear(f"{prefix}.routed_expert_down_proj.weight", latent, h, unit),
-                   _linear(f"{prefix}.routed_expert_up_proj.weight", h, latent, unit)]
-    params += _routed_expert_params(config, f"{prefix}.experts", width, unit)
-    if config.latent_moe_use_norm:
-        params.append((f"{prefix}.routed_expert_norm.weight", (width,), unit))
-    if config.num_shared_experts > 0:
-        params += _mlp_params(f"{prefix}.shared_experts", h, config.moe_intermediate_size * config.num_shared_experts, unit)
-    return params
-
-
-def _routed_expert_params(config, prefix, width, unit):
-    """E independent experts of P = 3·width·I parameters each, or (shared basis) M basis matrices and two [E, M]
-    coefficient tables: M·P + 2·E·M."""
-    experts, intermediate, basis = config.num_experts, config.moe_intermediate_size, config.expert_basis_size
-    if basis is None:
-        return [(f"{prefix}.gate_up_proj", (experts, 2 * intermediate, width), unit),
-                (f"{prefix}.down_proj", (experts, width, intermediate), unit)]
-    return [(f"{prefix}.gate_up_basis", (basis, 2 * intermediate, width), unit),
-            (f"{prefix}.down_basis", (basis, width, intermediate), unit),
-            (f"{prefix}.gate_up_coefficients", (experts, basis), unit),
-            (f"{prefix}.down_coefficients", (experts, basis), unit)]
-
-
-def _never_in_backward(config, name: str) -> bool:
-    """Layer 0's self-attention AttnRes projection and norm weigh earlier blocks, and layer 0 has none: no gradient."""
-    return config.attn_res_block_size is not None and name.startswith("model.layers.0.self_attention_res_")
-
-
-def parameter_specs(config, lora_rank: int = 0, lora_targets=DEFAULT_LORA_TARGETS) -> list[ParamSpec]:
-    """Every parameter tensor of ``KimiK3ForCausalLM(config)``; with ``lora_rank`` > 0, the base is frozen and each
-    targeted projection gets peft's ``lora_A`` [r, in] and ``lora_B`` [out, r] (trained with AdamW)."""
-    h, vocab = config.hidden_size, config.vocab_size
-    raw = [(name, shape, "root") for name, shape in [("model.embed_tokens.weight", (vocab, h))]]
-    for i in range(config.num_hidden_layers):
-        raw += _layer_params(config, i)
-    if config.attn_res_block_size is not None:
-        raw += [_linear("model.output_attn_res_proj.weight", 1, h, "root"), ("model.output_attn_res_norm.weight", (h,), "root")]
-    raw.append(("model.norm.weight", (h,), "root"))
-    if not config.tie_word_embeddings:
-        raw.append(_linear("lm_head.weight", vocab, h, "root"))
-    specs = []
-    tags = _muon_tags(config)
-    for name, shape, unit in raw:
-        expert = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
-        optimizer = muon_or_adamw(name, shape, expert)
-        spec = ParamSpec(name, tuple(shape), unit, optimizer, expert, receives_grad=not _never_in_backward(config, name),
-                         muon_tag=tags(name) if optimizer == "muon" else None)
-        if lora_rank:
-            specs.append(replace(spec, trainable=False))
-            module = name.rsplit(".", 2)[-2]
-            if len(shape) == 2 and name.endswith(".weight") and module in lora_targets:
-                base = name[: -len(".weight")]
-                out_features, in_features = shape
-                for adapter, adapter_shape in (("lora_A", (lora_rank, in_features)), ("lora_B", (out_features, lora_rank))):
-                    specs.append(ParamSpec(f"{base}.{adapter}.default.weight", adapter_shape, unit, "adamw",
-                                           receives_grad=spec.receives_grad))
-        else:
-            specs.append(spec)
-    return specs
-
-
-def _muon_tags(config):
-    """name -> PerHeadMuon's block tag, by the rules of ``kimi_k3.muon.build_param_groups`` (split K and V)."""
-    head_rows = _head_rows_by_layer_type(config, split_kv=True)
-    expert_rows = {"gate_up_proj": config.moe_intermediate_size,
-                   "down_proj": config.routed_expert_hidden_size or config.hidden_size}
-
-    def tag(name):
-        layer = _LAYER_PARAM.search(name)
-        if layer is not None:
-            rows = head_rows[config.layer_types[int(layer.group(1))]].get(layer.group(2))
-            if rows is not None:
-                return ("head_rows", rows)
-        weight = name.rsplit(".", 1)[-1]
-        weight = BASIS_OF_EXPERT_TENSOR.get(weight, weight)
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj", *BASIS_OF_EXPERT_TENSOR)):
-            return ("expert_rows", expert_rows[weight])
-        return None
-
-    return tag
-
-
-def buffer_specs(config) -> list[BufferSpec]:
-    """Buffers of the model every rank keeps whole: the router bias of each MoE layer (fp32), and with the routing
-    variants a quantile router's score CDF knots and a coarse router's bias."""
-    per_layer = {"gate.e_score_correction_bias": config.num_experts}
-    if config.router_score_normalization == "quantile":
-        per_layer["gate.score_quantiles"] = config.num_experts * (config.router_score_quantile_bins + 1)
-    if config.num_coarse_experts is not None:
-        per_layer["gate.coarse_gate.e_score_correction_bias"] = config.num_coarse_experts
-    return [BufferSpec(f"model.layers.{i}.block_sparse_moe.{name}", numel, FP32_BYTES, "router statistics")
-            for i, mlp_type in enumerate(config.mlp_layer_types) if mlp_type == "sparse"
-            for name, numel in per_layer.items()]
 
 
 def statistics_specs(config, setup) -> list[BufferSpec]:
@@ -306,9 +123,9 @@ class Setup:
         return self.micro_batch * self.sequence_length
 
 
-def validate(config, layout: Layout, setup: Setup, specs: list[ParamSpec] | None = None) -> None:
+def validate(config, layout: Layout, setup: Setup) -> None:
     """Refuse, in one line naming the field, what the sharding code or this plan cannot run. Runs before anything is
-    instantiated; ``specs`` (from :func:`parameter_specs`) saves rebuilding them."""
+    instantiated."""
     for name in ("world_size", "fsdp", "ep", "tp"):
         if getattr(layout, name) < 1:
             raise PlanError(f"`{name}` must be a positive integer, got {getattr(layout, name)}.")
@@ -348,37 +165,40 @@ def validate(config, layout: Layout, setup: Setup, specs: list[ParamSpec] | None
     for name in ("micro_batch", "sequence_length", "gradient_accumulation"):
         if getattr(setup, name) < 1:
             raise PlanError(f"`{name}` must be a positive integer, got {getattr(setup, name)}.")
-    if setup.optimizer == "muon":
-        _require_muon_rows_per_rank(parameter_specs(config, setup.lora_rank) if specs is None else specs, layout, setup)
-
-
-def _require_muon_rows_per_rank(specs: list[ParamSpec], layout: Layout, setup: Setup) -> None:
-    """Under expert parallelism PerHeadMuon gathers each expert update whole and adds it to the 2-D (efsdp x ep)
-    shard in place; DTensor has no strategy for that when there are fewer experts than ranks sharding them."""
-    experts = [s for s in updated_specs(specs) if s.expert and optimizer_of(s, setup) == "muon"]
-    if layout.ep > 1 and experts and experts[0].shape[0] < layout.fsdp:
-        raise PlanError(
-            f"`optimizer` 'muon' cannot run with ep {layout.ep} over fsdp {layout.fsdp}: `{experts[0].name}` has "
-            f"{experts[0].shape[0]} experts, fewer than the ranks sharding them, and DTensor refuses PerHeadMuon's "
-            f"in-place update of such a shard; use fsdp <= {experts[0].shape[0]}, ep 1 or `optimizer` 'adamw'."
-        )
 
 
 def common_divisors(a: int, b: int) -> list[int]:
     return [d for d in range(1, min(a, b) + 1) if a % d == 0 and b % d == 0]
 
 
-def local_rows(rows: int, group: int) -> int:
-    """Rows rank 0 keeps of a dim-0 shard over ``group`` ranks (torch.chunk; FSDP2 pads every rank to this)."""
-    return -(-rows // group)
+def planned_placements(expert: bool, layout: Layout) -> tuple[tuple[int, ...], tuple[int, ...], tuple]:
+    """(mesh shape, mesh ranks in row-major order, placements) of a parameter's DTensor under ``layout`` (``expert``:
+    a stacked-expert tensor): FSDP2's ``Shard(0)`` over all ranks; under expert parallelism transformers' 2-D
+    (efsdp, ep) mesh for the experts, split over ``ep`` first and FSDP2-sharded over the ``efsdp`` ranks holding the
+    same experts."""
+    ranks = tuple(range(layout.world_size))
+    if expert and layout.ep > 1:
+        return (layout.efsdp, layout.ep), ranks, (_StridedShard(0, split_factor=layout.ep), Shard(0))
+    return (layout.fsdp,), ranks, (Shard(0),)
+
+
+def holdings(spec: ParamSpec, layout: Layout) -> tuple[Holding, ...]:
+    """What every rank holds of ``spec`` under ``layout`` (:mod:`kimi_k3.shard_layout`), in rank order."""
+    return _holdings(spec.shape, spec.expert, layout)
+
+
+@functools.lru_cache(maxsize=256)
+def _holdings(shape, expert: bool, layout: Layout) -> tuple[Holding, ...]:
+    # One tuple per kind of parameter: plans share the analysis of parameters holding alike (ShardedPlan).
+    mesh_shape, ranks, placements = planned_placements(expert, layout)
+    by_rank = mesh_holdings(shape, mesh_shape, ranks, placements)
+    return tuple(by_rank[rank] for rank in ranks)
 
 
 def local_numel(spec: ParamSpec, layout: Layout) -> int:
-    """Elements of ``spec`` on rank 0 after expert parallelism and FSDP2."""
-    rows, rest = spec.shape[0], math.prod(spec.shape[1:])
-    if spec.expert and layout.ep > 1:
-        return local_rows(rows // layout.ep, layout.efsdp) * rest
-    return local_rows(rows, layout.fsdp) * rest
+    """Elements of ``spec`` on rank 0 (the largest shard: torch.chunk gives the first ranks the extra rows)."""
+    mesh_shape, _, placements = planned_placements(spec.expert, layout)
+    return holding_at(spec.shape, mesh_shape, (0,) * len(mesh_shape), placements).numel
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -406,7 +226,8 @@ def updated_specs(specs: list[ParamSpec]) -> list[ParamSpec]:
 
 
 def element_counts(config, layout: Layout, setup: Setup, specs: list[ParamSpec] | None = None) -> ElementCounts:
-    specs = parameter_specs(config, setup.lora_rank) if specs is None else specs
+    inventory = model_inventory(config, setup.lora_rank)
+    specs = inventory.specs if specs is None else specs
     updated = updated_specs(specs)
     by_optimizer = {name: sum(local_numel(s, layout) for s in updated if optimizer_of(s, setup) == name)
                     for name in OPTIMIZERS}
@@ -417,7 +238,7 @@ def element_counts(config, layout: Layout, setup: Setup, specs: list[ParamSpec] 
         adamw_exp_avg=by_optimizer["adamw"],
         adamw_exp_avg_sq=by_optimizer["adamw"],
         adamw_steps=sum(1 for s in updated if optimizer_of(s, setup) == "adamw"),
-        buffers=sum(b.numel for b in buffer_specs(config)),
+        buffers=inventory.buffer_elements,
     )
 
 
@@ -439,6 +260,8 @@ class Plan:
     activations_other: float = 0.0  # activations with the other gradient-checkpointing setting
     communication: list[tuple[str, int, int, float, float]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    newton_schulz: ShardedPlan | None = None  # the optimizer's block assignment (Per-Head Muon only)
+    placements: dict[str, tuple] = field(default_factory=dict)  # name -> planned_placements
 
     @property
     def total(self) -> float:
@@ -455,7 +278,7 @@ class Plan:
     @property
     def newton_schulz_traffic(self) -> tuple[int, int]:
         """(collective calls, payload bytes handed in by rank 0) of one optimizer step's Newton–Schulz."""
-        rows = [row for row in self.communication if row[0] in NEWTON_SCHULZ_ROWS]
+        rows = [row for row in self.communication if row[0] == NEWTON_SCHULZ_ROW]
         return sum(row[2] for row in rows), sum(row[3] for row in rows)
 
     @property
@@ -463,26 +286,28 @@ class Plan:
         return max(self.memory, key=self.memory.get)
 
 
-def make_plan(config, layout: Layout, setup: Setup, specs: list[ParamSpec] | None = None,
-              with_communication: bool = True) -> Plan:
-    """The plan of one layout; ``specs`` (from :func:`parameter_specs`) saves rebuilding them in a search, which
-    also skips the communication (Newton–Schulz's block assignment takes seconds at full size)."""
-    specs = parameter_specs(config, setup.lora_rank) if specs is None else specs
-    validate(config, layout, setup, specs)
+def make_plan(config, layout: Layout, setup: Setup, with_communication: bool = True, prune: bool = False) -> Plan:
+    """The plan of one layout. ``prune=True`` (the search) skips Newton–Schulz's block assignment when the rest alone
+    already exceeds the budget, leaving its workspace at 0."""
+    validate(config, layout, setup)
+    inventory = model_inventory(config, setup.lora_rank)
+    specs = list(inventory.specs)
     counts = element_counts(config, layout, setup, specs)
-    plan = Plan(config, layout, setup, counts)
+    placements = {spec.name: planned_placements(spec.expert, layout) for spec in specs}
+    plan = Plan(config, layout, setup, counts, placements=placements)
     b = {name: DTYPE_BYTES[getattr(setup, f"{name}_dtype")] for name in ("param", "compute", "grad", "optimizer", "ns")}
-    buffers = buffer_specs(config) + statistics_specs(config, setup)
+    statistics = statistics_specs(config, setup)
     plan.memory = {
         "parameters": counts.parameters * b["param"],
         "gradients": counts.gradients * b["grad"],
         "Muon momentum": counts.muon_momentum * b["optimizer"],
         "AdamW moments": (counts.adamw_exp_avg + counts.adamw_exp_avg_sq) * b["optimizer"] + counts.adamw_steps * FP32_BYTES,
-        "router statistics": sum(x.numel * x.itemsize for x in buffers if x.category == "router statistics"),
-        "attention logit maxima": sum(x.numel * x.itemsize for x in buffers if x.category == "attention logit maxima"),
+        "router statistics": inventory.buffer_bytes + sum(x.numel * x.itemsize for x in statistics
+                                                          if x.category == "router statistics"),
+        "attention logit maxima": sum(x.numel * x.itemsize for x in statistics if x.category == "attention logit maxima"),
+        "FSDP gathered units": fsdp_gather_buffers(specs, layout, b),
+        "Newton-Schulz workspace": 0,
     }
-    plan.memory["FSDP gathered units"] = fsdp_gather_buffers(specs, layout, b)
-    plan.memory["Newton-Schulz workspace"] = newton_schulz_workspace(specs, layout, setup, b) if setup.optimizer == "muon" else 0
     with_ckpt, without_ckpt = activations(config, setup, b["compute"], True), activations(config, setup, b["compute"], False)
     plan.memory["activations"] = with_ckpt if setup.gradient_checkpointing else without_ckpt
     plan.activations_other = without_ckpt if setup.gradient_checkpointing else with_ckpt
@@ -495,8 +320,12 @@ def make_plan(config, layout: Layout, setup: Setup, specs: list[ParamSpec] | Non
             f"exported MXFP4 shard of rank 0 (4.25 bits/element) would take {exported / GB:,.2f} GB."
         )
     plan.estimated = {"FSDP gathered units", "Newton-Schulz workspace", "activations", "QAT fake-quantized experts"}
+    if setup.optimizer == "muon" and not (prune and not plan.fits):
+        plan.newton_schulz = newton_schulz_plan(inventory.muon_step_order, layout)
+        plan.memory["Newton-Schulz workspace"] = newton_schulz_workspace(plan.newton_schulz, b)
+        plan.notes.append(newton_schulz_note(plan.newton_schulz))
     if with_communication:
-        plan.communication = communication(config, specs, layout, setup, b)
+        plan.communication = communication(config, specs, layout, setup, b, plan.newton_schulz)
     return plan
 
 
@@ -533,37 +362,38 @@ def qat_fake_quantized_experts(config, specs, layout: Layout, setup: Setup, b) -
     return per_layer * (1 if setup.gradient_checkpointing else moe_layers) * b["compute"]
 
 
-def newton_schulz_workspace(specs, layout, setup, b) -> float:
-    """What PerHeadMuon's step holds at once besides the state: every local Nesterov update (gradient dtype), every
-    orthogonalised result (bf16) and, for updates split across ranks (dim-0 shards on the 1-D fsdp mesh), this rank's
-    ~1/fsdp share of whole blocks batched by shape with Newton–Schulz's iterate, Gram matrix, its polynomial and the
-    next iterate (5 bf16 copies). Expert updates under expert parallelism (2-D mesh) are gathered whole first, in the
-    gradient dtype, and batched in bf16 by shape."""
-    split, whole = muon_split_and_whole(specs, layout, setup)
-    local = sum(local_numel(s, layout) for s in split + whole) * (b["grad"] + b["ns"])
-    owned_share = 5 * sum(s.numel for s in split) / layout.fsdp * b["ns"]
-    by_shape = {}
-    for s in whole:
-        by_shape[s.shape[-2:]] = by_shape.get(s.shape[-2:], 0) + s.numel
-    gathered = sum(s.numel for s in whole) * b["grad"] + max(by_shape.values(), default=0) * b["ns"]
-    return local + owned_share + gathered
+def newton_schulz_plan(step_order: list[ParamSpec], layout: Layout) -> ShardedPlan:
+    """PerHeadMuon's block assignment for the updated Muon parameters (in its step order) under ``layout``: every
+    parameter is a DTensor on a mesh of all ranks, so they share one process group and one plan."""
+    return ShardedPlan([Tiling.of(spec.shape, spec.block_pattern) for spec in step_order],
+                       [holdings(spec, layout) for spec in step_order], NS_STEPS)
 
 
-def muon_split_and_whole(specs, layout: Layout, setup: Setup) -> tuple[list[ParamSpec], list[ParamSpec]]:
-    """Muon parameters in optimizer step order, split into those whose Newton–Schulz PerHeadMuon splits across the
-    fsdp ranks and the expert tensors it gathers whole (expert parallelism puts them on a 2-D mesh)."""
-    jobs = muon_step_order(specs, setup)
-    return [s for s in jobs if not (s.expert and layout.ep > 1)], [s for s in jobs if s.expert and layout.ep > 1]
+def newton_schulz_workspace(plan: ShardedPlan, b) -> float:
+    """The most any rank holds at once in PerHeadMuon's sharded step, besides parameters, gradients and state.
+
+    Exchange: its pieces of cut blocks (inputs, then results), the pieces it receives and returns for the blocks it
+    owns, and those blocks whole, batched with Newton–Schulz's copies. Then, one parameter at a time: its local
+    Nesterov update (gradient dtype), its home blocks batched with Newton–Schulz's copies, and the assembled update,
+    while the cut pieces' results wait to be applied."""
+    cut = plan.cut_elements()
+    # Parameters of one shape, blocks and layout share their analysis (and so its object): count each kind once.
+    kinds = {id(param): (held, param) for held, param in zip(plan.holdings, plan.params)}.values()
+    largest = 0.0
+    for rank in range(plan.world_size):
+        exchange = 2 * cut["held"][rank] + 2 * cut["received"][rank] + NEWTON_SCHULZ_COPIES * cut["owned"][rank]
+        one_param = max((held[rank].numel * (b["grad"] + b["ns"]) + NEWTON_SCHULZ_COPIES * param.home_elements[rank]
+                         * b["ns"] for held, param in kinds), default=0)
+        largest = max(largest, exchange * b["ns"], cut["held"][rank] * b["ns"] + one_param)
+    return largest
 
 
-def muon_step_order(specs, setup: Setup) -> list[ParamSpec]:
-    """Every updated Muon parameter in PerHeadMuon's step order: ``build_param_groups`` makes one group per tag in
-    order of first appearance, parameters in model order within a group."""
-    groups = {}
-    for spec in updated_specs(specs):
-        if optimizer_of(spec, setup) == "muon":
-            groups.setdefault(spec.muon_tag, []).append(spec)
-    return [spec for members in groups.values() for spec in members]
+def newton_schulz_note(plan: ShardedPlan) -> str:
+    flops = plan.flops_per_rank()
+    mean = sum(flops) / len(flops)
+    return (f"Newton-Schulz: {plan.block_count:,} blocks, {len(plan.cut):,} of them cut by a shard boundary (these "
+            f"travel); per rank {mean / 1e12:,.2f} TFLOP per step on average, the busiest {max(flops) / mean - 1:.1%} "
+            f"above it.")
 
 
 def activations(config, setup: Setup, compute_bytes: int, checkpointing: bool) -> float:
@@ -609,7 +439,8 @@ def _layer_activation_elements(config, i: int, n: int) -> int:
     return n * per_token
 
 
-def communication(config, specs, layout: Layout, setup: Setup, b) -> list[tuple[str, int, int, float, float]]:
+def communication(config, specs, layout: Layout, setup: Setup, b, newton_schulz: ShardedPlan | None = None
+                  ) -> list[tuple[str, int, int, float, float]]:
     """Per step: (collective, group size, calls, payload bytes this rank hands in, bytes this rank sends on a ring).
 
     A ring all-gather or reduce-scatter over g ranks sends (g-1)/g of the whole tensor per rank, an all-reduce twice
@@ -643,8 +474,9 @@ def communication(config, specs, layout: Layout, setup: Setup, b) -> list[tuple[
     if layout.world_size > 1 and setup.qk_clip and mla_layers and setup.optimizer == "muon" and not setup.lora_rank:
         payload = mla_layers * config.num_attention_heads * FP32_BYTES
         rows.append(("QK-Clip max all-reduce", layout.world_size, 1, payload, 2 * payload * (layout.world_size - 1) / layout.world_size))
-    if setup.optimizer == "muon":
-        rows += newton_schulz_communication(specs, layout, setup, b)
+    if newton_schulz is not None and newton_schulz.cut:
+        moved = newton_schulz.moved_elements()[0] * b["ns"]
+        rows.append((NEWTON_SCHULZ_ROW, layout.world_size, 2, moved, moved))
     return rows
 
 
@@ -663,29 +495,6 @@ def quantile_balancing_payload(config, setup) -> int:
     return sum(spec.numel for spec in statistics_specs(config, setup) if spec.category == "router statistics") * INT64_BYTES
 
 
-def newton_schulz_communication(specs, layout: Layout, setup: Setup, b) -> list[tuple]:
-    """PerHeadMuon splits Newton–Schulz of dim-0 shards on the 1-D fsdp mesh across the ranks: two all-to-alls of
-    the rows of blocks cut by shard boundaries (``kimi_k3.muon.newton_schulz_exchange_bytes``, rank 0's share, in
-    the Newton–Schulz dtype). Expert tensors under expert parallelism (2-D mesh) are gathered whole, first over the efsdp ranks holding
-    the same experts (when there are several), then over the ep ranks, in the gradient dtype."""
-    split, whole = muon_split_and_whole(specs, layout, setup)
-    rows = []
-    if split and layout.fsdp > 1:
-        sent, _ = newton_schulz_exchange_bytes([s.shape for s in split], [s.block_pattern for s in split], layout.fsdp,
-                                               sharded=True, itemsize=b["ns"])[0]
-        rows.append((NEWTON_SCHULZ_ROWS[0], layout.fsdp, 2, sent, sent))
-    calls, payload, sent = 0, 0, 0
-    for spec in whole:
-        shard = local_numel(spec, layout) * b["grad"]
-        if layout.efsdp > 1:
-            calls, payload, sent = calls + 1, payload + shard, sent + shard * (layout.efsdp - 1)
-        gathered = shard * layout.efsdp
-        calls, payload, sent = calls + 1, payload + gathered, sent + gathered * (layout.ep - 1)
-    if whole:
-        rows.append((NEWTON_SCHULZ_ROWS[1], layout.world_size, calls, payload, sent))
-    return rows
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Search
 # ---------------------------------------------------------------------------------------------------------------------
@@ -702,19 +511,18 @@ def search(config, setup: Setup, max_world_size: int = 4096, step: int = 8) -> t
     least memory; ``(None, least-memory plan of the largest world size the sharding code accepts)`` when none fits."""
     if step < 1 or max_world_size < step:
         raise PlanError(f"`max_world_size` ({max_world_size}) must be >= the search step ({step}), both positive.")
-    specs = parameter_specs(config, setup.lora_rank)
     best = None
     for world_size in range(step, max_world_size + 1, step):
         plans = []
         for layout in candidate_layouts(config, world_size, setup):
             with contextlib.suppress(PlanError):
-                plans.append(make_plan(config, layout, setup, specs, with_communication=False))
+                plans.append(make_plan(config, layout, setup, with_communication=False, prune=True))
         if not plans:
             continue
         best = min(plans, key=lambda plan: plan.total)
         if best.fits:
-            best = make_plan(config, best.layout, setup, specs)
+            best = make_plan(config, best.layout, setup)
             return best, best
     if best is None:
         raise PlanError(f"No layout up to {max_world_size} ranks is accepted by the sharding code for this setup.")
-    return None, make_plan(config, best.layout, setup, specs)
+    return None, make_plan(config, best.layout, setup)

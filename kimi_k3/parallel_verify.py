@@ -8,11 +8,12 @@ sharding, ``maybe_distribute_model`` with ``DistributedConfig(fsdp_size, ep_size
 Gradients are given, shaped like their parameters as FSDP2's reduce-scatter leaves them, to exactly the parameters
 a real backward reaches (found by one backward of a narrow model with the same layer pattern), and one optimizer
 step of :class:`kimi_k3.muon.PerHeadMuon` or ``torch.optim.AdamW`` allocates the optimizer state. What rank 0 then
-holds is counted in elements.
+holds is counted in elements; every parameter's mesh and placements, the bytes the step hands to collectives and
+the Newton–Schulz block assignment the optimizer computed from the real DTensors are compared with the plan's.
 """
 
 import contextlib
-import copy
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -21,8 +22,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kimi_k3.distributed import shard_decoder_layers, sharded_loading_config
+from kimi_k3.model_inventory import build_model, parameters_reached_by_backward
 from kimi_k3.muon import PerHeadMuon
-from kimi_k3.parallel_plan import DEFAULT_LORA_TARGETS, ElementCounts, Layout, Setup, validate
+from kimi_k3.parallel_plan import ElementCounts, Layout, Plan, Setup, validate
 from modeling_kimi_k3 import KimiK3ForCausalLM
 
 SHARDING_PATHS = ("accelerate", "transformers")
@@ -37,12 +39,14 @@ _INPUT_SECOND = ("c10d::_allgather_base_", "c10d::allgather_", "c10d::_reduce_sc
 
 
 class CollectivePayload(TorchDispatchMode):
-    """Bytes of the tensors this rank hands to torch.distributed collectives, c10d and functional (DTensor's); a
-    functional collective's own c10d call is not counted again. Works under the fake process group too."""
+    """Bytes of the tensors this rank hands to torch.distributed collectives, c10d and functional (DTensor's), and of
+    what each call leaves in its output; a functional collective's own c10d call is not counted again. Works under the
+    fake process group too."""
 
     def __init__(self):
         super().__init__()
         self.calls: list[tuple[str, int]] = []
+        self.received: list[int] = []
         self._depth = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -50,18 +54,26 @@ class CollectivePayload(TorchDispatchMode):
         namespace, _, op = name.partition("::")
         if namespace not in ("c10d", "_c10d_functional") or not any(kind in op for kind in _COLLECTIVES):
             return func(*args, **(kwargs or {}))
-        if self._depth == 0:
+        outermost = self._depth == 0
+        if outermost:
             given = args[1] if name in _INPUT_SECOND else args[0]
-            self.calls.append((name, sum(t.numel() * t.element_size() for t in _tensors(given))))
+            self.calls.append((name, _nbytes(given)))
         self._depth += 1
         try:
-            return func(*args, **(kwargs or {}))
+            result = func(*args, **(kwargs or {}))
         finally:
             self._depth -= 1
+        if outermost:
+            self.received.append(_nbytes(result if namespace == "_c10d_functional" else args[0]))
+        return result
 
     @property
     def payload(self) -> int:
         return sum(size for _, size in self.calls)
+
+
+def _nbytes(value) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(value))
 
 
 def _tensors(value):
@@ -89,67 +101,6 @@ def default_sharding_path(layout: Layout) -> str:
     return "transformers" if layout.ep > 1 else "accelerate"
 
 
-def build_model(config, setup: Setup, device: str):
-    """``KimiK3ForCausalLM`` in training mode; with LoRA, peft's adapters on the attention projections. The model gets
-    its own copy of ``config``: load-time sharding records the distributed setup in the model's config."""
-    with torch.device(device):
-        model = KimiK3ForCausalLM(copy.deepcopy(config)).train()
-    if setup.lora_rank:
-        from peft import LoraConfig, inject_adapter_in_model
-
-        model = inject_adapter_in_model(LoraConfig(r=setup.lora_rank, target_modules=list(DEFAULT_LORA_TARGETS)), model)
-    return model
-
-
-def parameters_reached_by_backward(config, setup: Setup) -> set[str]:
-    """Names of the trainable parameters one training backward gives a gradient, from a narrow copy of ``config``
-    (same layers, layer types and options; tiny widths) run for real on the CPU."""
-    narrow = narrow_config(config)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: several threads only contend (10x slower on a busy machine)
-    try:
-        torch.manual_seed(0)
-        model = build_model(narrow, setup, "cpu")
-        for p in model.parameters():
-            if p.dim() > 1:
-                torch.nn.init.normal_(p, std=0.02)
-        input_ids = torch.randint(narrow.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
-        model(input_ids=input_ids, labels=input_ids).loss.backward()
-    finally:
-        torch.set_num_threads(threads)
-    return {name for name, p in model.named_parameters() if p.grad is not None}
-
-
-def narrow_config(config):
-    """``config`` with every width shrunk; the layer pattern, which projections exist and the switches are kept."""
-    values = config.to_dict()
-    values.update(hidden_size=32, intermediate_size=32, num_attention_heads=2, num_key_value_heads=2,
-                  qk_nope_head_dim=8, qk_rope_head_dim=4 if config.qk_rope_head_dim else 0, v_head_dim=8,
-                  kv_lora_rank=16, q_lora_rank=None if config.q_lora_rank is None else 16,
-                  dtype="float32")
-    values["linear_attn_config"] = {**config.linear_attn_config, "num_heads": 2, "head_dim": 8}
-    if config.num_experts is not None:
-        top_k = min(config.num_experts_per_token, 2)
-        values.update(num_experts=top_k + 2, num_experts_per_token=top_k, moe_intermediate_size=8,
-                      routed_expert_hidden_size=None if config.routed_expert_hidden_size is None else 16)
-        values.update(_narrow_variant_fields(config, values["num_experts"], top_k))
-    for key in ("layer_types", "mlp_layer_types", "auto_map", "architectures", "model_type", "transformers_version"):
-        values.pop(key, None)
-    return type(config)(**values)
-
-
-def _narrow_variant_fields(config, num_experts: int, top_k: int) -> dict:
-    """The variant sizes that still fit ``num_experts`` narrowed experts (two-level routing: two groups of k + 1)."""
-    values = {}
-    if config.expert_basis_size is not None:
-        values["expert_basis_size"] = min(config.expert_basis_size, num_experts)
-    if config.num_coarse_experts is not None:
-        values.update(num_experts=2 * (top_k + 1), num_coarse_experts=2, coarse_experts_per_token=1)
-    if config.dynamic_experts_per_token:
-        values.update(min_experts_per_token=1, max_experts_per_token=num_experts)
-    return values
-
-
 def shard(model, layout: Layout, path: str):
     if path == "accelerate":
         return shard_decoder_layers(model)
@@ -160,6 +111,7 @@ def shard(model, layout: Layout, path: str):
 
 
 def build_optimizer(model, setup: Setup):
+    """Per-Head Muon at the plan's Newton–Schulz precision, or AdamW."""
     if setup.optimizer == "muon":
         return PerHeadMuon.for_model(model, ns_dtype=NS_DTYPES[setup.ns_dtype])
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
@@ -169,25 +121,64 @@ def local_numel(tensor) -> int:
     return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).numel()
 
 
-def sharded_counts(config, layout: Layout, setup: Setup, path: str | None = None) -> tuple[ElementCounts, CollectivePayload]:
-    """What rank 0 holds after the real sharding and one optimizer step (elements), and what that step handed to
-    collectives."""
+@dataclass
+class ShardedRun:
+    """What rank 0 holds after the real sharding and one optimizer step, the layout of every parameter, what the step
+    handed to collectives, and the Newton–Schulz plans the optimizer computed."""
+
+    counts: ElementCounts
+    sent: CollectivePayload
+    placements: dict[str, tuple]
+    newton_schulz_plans: list
+
+
+def sharded_run(config, layout: Layout, setup: Setup, path: str | None = None) -> ShardedRun:
     validate(config, layout, setup)
     path = path or default_sharding_path(layout)
     if path not in SHARDING_PATHS:
         raise ValueError(f"`path` must be one of {SHARDING_PATHS}, got {path!r}.")
     if path == "accelerate" and layout.ep > 1:
         raise ValueError("`path` 'accelerate' (shard_decoder_layers) has no expert parallelism; use 'transformers'.")
-    reached = parameters_reached_by_backward(config, setup)
+    reached = parameters_reached_by_backward(config, setup.lora_rank)
     with fake_process_group(layout.world_size):
-        model = shard(build_model(config, setup, "meta"), layout, path)
+        model = shard(build_model(config, "meta", setup.lora_rank), layout, path)
         updated = [p for name, p in model.named_parameters() if p.requires_grad and name in reached]
         for p in updated:
             p.grad = torch.zeros_like(p)
         optimizer = build_optimizer(model, setup)
         with CollectivePayload() as sent:
             optimizer.step()
-        return held_counts(model, optimizer), sent
+        plans = optimizer.newton_schulz_plans() if isinstance(optimizer, PerHeadMuon) else []
+        placements = {name: placement_of(p) for name, p in model.named_parameters()}
+        return ShardedRun(held_counts(model, optimizer), sent, placements, plans)
+
+
+def placement_of(tensor) -> tuple:
+    """(mesh shape, mesh ranks in row-major order, placements) of a DTensor; None for a plain tensor."""
+    if not isinstance(tensor, DTensor):
+        return None
+    mesh = tensor.device_mesh.mesh
+    return tuple(mesh.shape), tuple(mesh.flatten().tolist()), tuple(tensor.placements)
+
+
+def differences(plan: Plan, run: ShardedRun) -> list[str]:
+    """Where ``plan`` disagrees with the real sharding of ``run``: counts, placements, the optimizer step's collectives
+    and its Newton–Schulz assignment (FLOPs and exchanged elements of every rank)."""
+    found = plan.counts.differences(run.counts)
+    for name, planned in plan.placements.items():
+        if run.placements[name] != planned:
+            found.append(f"{name}: plan places it {planned}, the sharded model {run.placements[name]}")
+            break
+    calls, payload = plan.newton_schulz_traffic
+    if (calls, payload) != (len(run.sent.calls), run.sent.payload):
+        found.append(f"optimizer-step collectives: plan {calls} calls / {payload:,} bytes vs {len(run.sent.calls)} "
+                     f"calls / {run.sent.payload:,} bytes handed in by rank 0")
+    expected = [plan.newton_schulz] if plan.newton_schulz is not None else []
+    summary = [(p.flops_per_rank(), p.moved_elements()) for p in expected]
+    if summary != [(p.flops_per_rank(), p.moved_elements()) for p in run.newton_schulz_plans]:
+        found.append("Newton-Schulz: the plan's block assignment (FLOPs and exchanged elements per rank) is not the "
+                     "optimizer's")
+    return found
 
 
 def held_counts(model, optimizer) -> ElementCounts:

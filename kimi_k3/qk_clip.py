@@ -21,9 +21,10 @@ from .padding import PaddingTracker
 
 
 class LogitMaxRecorder:
-    """Per-head running max [H] of one MLA layer's pre-softmax logits over causal pairs whose query and key are both
-    real tokens, from training forwards with gradients: a padded query row is never attended from, so it must not
-    trigger a clip. Attached as the layer's ``query_key_observer``."""
+    """Per-head running max [H] of one MLA layer's pre-softmax logits over the pairs attention uses (causal, query and
+    key both real tokens of one packed document), from training forwards with gradients: a padded query row is never
+    attended from, nor a key of another document, so neither must trigger a clip. Attached as the layer's
+    ``query_key_observer``."""
 
     def __init__(self, attn, padding: PaddingTracker):
         self.padding = padding
@@ -45,6 +46,9 @@ class LogitMaxRecorder:
         if token_mask is not None:
             valid = token_mask.view(batch, -1)
             allowed = allowed & valid[:, None, -query_len:, None] & valid[:, None, None, -key_len:]
+        if self.padding.document_starts is not None:  # packed documents never continue a cache: keys = queries
+            document = self.padding.document_starts.cumsum(-1)
+            allowed = allowed & (document[:, None, :, None] == document[:, None, None, :])
         head_max = logits.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3))
         self.maximum = torch.maximum(self.maximum.to(head_max.device), head_max)
 

@@ -30,6 +30,7 @@ from modeling_kimi_k3 import KimiK3ForCausalLM
 from . import expert_load, hub, run_folder
 from .balance_metrics import load_balance_metrics
 from .data import (
+    PACKING_MODES,
     STREAM_EVAL_BLOCKS,
     STREAM_TOKENIZER_DOCUMENTS,
     DataError,
@@ -190,6 +191,12 @@ class DataArguments:
                           "random (fixed seed), or with --streaming at evenly spaced positions (5: every 20th)."},
     )
     block_size: int = field(default=128, metadata={"help": "Tokens per training sequence."})
+    packing: str = field(
+        default="documents",
+        metadata={"help": "documents: blocks keep their document boundaries (position ids restart, and every "
+                          "document starts from a fresh model state); concatenate: blocks run across documents, "
+                          "each seeing its neighbours' context.", "choices": PACKING_MODES},
+    )
     streaming: bool = field(
         default=False,
         metadata={"help": "Read the data as a stream (`IterableDataset`), packed into blocks on the fly, read in order "
@@ -649,16 +656,17 @@ def measure_expert_load(model, blocks: datasets.Dataset, batch_size: int) -> dic
     handles = [router.register_forward_hook(count_routes(name)) for name, router in routers.items()]
     model.eval()
     try:
+        inputs = [name for name in ("input_ids", "position_ids") if name in blocks.column_names]
         for start in range(0, len(blocks), batch_size):
-            input_ids = torch.tensor(blocks[start : start + batch_size]["input_ids"], device=model.device)
-            model(input_ids=input_ids, use_cache=False)
+            batch = blocks[start : start + batch_size]
+            model(**{name: torch.tensor(batch[name], device=model.device) for name in inputs}, use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
     return {name: load_balance_metrics(loads[name], router.e_score_correction_bias) for name, router in routers.items()}
 
 
-def training_summary(trainer, model_args, data_description, blocks, block_size, eval_metrics):
+def training_summary(trainer, model_args, data_description, blocks, block_size, eval_metrics, packing):
     """What the card reports; wall time and resumes come from the `TrainingClock`, which spans every job of the run."""
     clock = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, TrainingClock))
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
@@ -688,6 +696,7 @@ def training_summary(trainer, model_args, data_description, blocks, block_size, 
         qat=describe_qat(model_args),
         weights_on_disk=describe_weights_on_disk(model_args, trainer.model),
         qk_clip=describe_qk_clip(model_args),
+        packing=packing,
     )
 
 
@@ -832,7 +841,7 @@ def main(argv: list[str] | None = None) -> int:
             check_block_size(data_args.block_size, model.config)
             if checkpoint is not None:
                 check_resumable(model, checkpoint, training_args)
-            blocks = tokenize_into_blocks(splits, tokenizer, data_args.block_size)
+            blocks = tokenize_into_blocks(splits, tokenizer, data_args.block_size, data_args.packing)
             blocks = {"train": blocks["train"], "validation": evaluation_blocks(blocks["validation"],
                                                                                 data_args.max_eval_samples)}
             optimizer_cls_and_kwargs, callbacks = optimizer_and_callbacks(model_args, training_args, model, qk_clip_tau)
@@ -884,7 +893,8 @@ def run(trainer, model_args, data_args, blocks, data_description, checkpoint, pu
         return 0
 
     layer_balance = measure_expert_load(trainer.model, blocks["validation"], training_args.per_device_eval_batch_size)
-    summary = training_summary(trainer, model_args, data_description, blocks, data_args.block_size, eval_metrics)
+    summary = training_summary(trainer, model_args, data_description, blocks, data_args.block_size, eval_metrics,
+                               data_args.packing)
     name = publish.repo_id if publish else Path(training_args.output_dir).name
     picture = expert_load_picture(trainer, name)
     card = render_model_card(trainer.model, name, summary, layer_balance, metadata,

@@ -147,15 +147,11 @@ def verdict(plan) -> str:
 
 
 def verify(plan, sharding) -> bool:
-    from kimi_k3.parallel_verify import default_sharding_path, sharded_counts
+    from kimi_k3.parallel_verify import default_sharding_path, differences, sharded_run
 
     path = sharding or default_sharding_path(plan.layout)
-    actual, sent = sharded_counts(plan.config, plan.layout, plan.setup, path)
-    mismatches = plan.counts.differences(actual)
-    calls, payload = plan.newton_schulz_traffic
-    if (calls, payload) != (len(sent.calls), sent.payload):
-        mismatches.append(f"optimizer-step collectives: plan {calls} calls / {payload:,} bytes vs "
-                          f"{len(sent.calls)} calls / {sent.payload:,} bytes handed in by rank 0")
+    run = sharded_run(plan.config, plan.layout, plan.setup, path)
+    mismatches = differences(plan, run)
     what = ("shard_decoder_layers (FSDP2 per decoder layer)" if path == "accelerate"
             else "transformers' load-time sharding (DistributedConfig, base_model_ep_plan)")
     if mismatches:
@@ -165,8 +161,9 @@ def verify(plan, sharding) -> bool:
         return False
     print(f"verified: parameters, gradients, optimizer state and buffers of rank 0 equal, element for element, what "
           f"{what} and {OPTIMIZER_NAMES[plan.setup.optimizer]} hold on the meta model under a fake process group of "
-          f"{plan.layout.world_size} ranks; the optimizer step's collectives match the plan's "
-          f"({len(sent.calls)} calls, {sent.payload:,} bytes)")
+          f"{plan.layout.world_size} ranks; every parameter's placements, the optimizer step's collectives "
+          f"({len(run.sent.calls)} calls, {run.sent.payload:,} bytes) and its Newton-Schulz block assignment match the "
+          f"plan's")
     return True
 
 

@@ -10,8 +10,11 @@ the error scale of the working precision, taken as the larger of
   with cancellation amplifies that perturbation as it amplifies rounding, where one trusted evaluation may happen
   to round luckily;
 
-times a small factor.
+times a small factor. Comparisons of two float64 evaluations keep fixed bounds (1e-9 and tighter): float64 rounding is
+1e-16 relative, so such a bound holds on any CPU unless the computation itself is wrong.
 """
+
+import copy
 
 import torch
 from torch import nn
@@ -55,3 +58,16 @@ def assert_as_accurate(actual: torch.Tensor, trusted: torch.Tensor, exact: torch
         f"{what}: {distance:.3g} from the float64 result, more than {factor:g}x the working precision's error scale "
         f"plus {ULPS} ulps ({bound:.3g})"
     )
+
+
+def float64_copy(model: nn.Module) -> nn.Module:
+    """A float64 copy of a model, on the experts' reference loop (transformers' grouped_mm kernels have no fp64 path)."""
+    exact = copy.deepcopy(model).double()
+    if hasattr(exact, "set_experts_implementation"):
+        exact.set_experts_implementation("eager")
+    return exact
+
+
+# Unit roundoffs for bounds set by a precision and a count of roundings (Newton–Schulz in bf16, say).
+FP32_EPS = torch.finfo(torch.float32).eps
+BF16_EPS = torch.finfo(torch.bfloat16).eps

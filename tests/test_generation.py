@@ -1,5 +1,7 @@
 """Cached generation: the hybrid KDA/MLA cache reproduces full forwards; bad generation inputs fail clearly."""
 
+import warnings
+
 import pytest
 import torch
 from transformers import DynamicCache, GenerationConfig
@@ -7,6 +9,7 @@ from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
 from modeling_kimi_k3 import CACHE_FIELD, KimiK3ForCausalLM
 from tests.conftest import tiny_config
+from tests.numerics import assert_as_accurate, float64_copy
 
 
 @pytest.fixture(scope="module")
@@ -18,6 +21,11 @@ def model():
             if "res_proj" in name:
                 param.normal_(0, 0.5)
     return model
+
+
+@pytest.fixture(scope="module")
+def exact_model(model):
+    return float64_copy(model)
 
 
 def left_padded_prompts(lengths, vocab=97, pad=0):
@@ -77,25 +85,25 @@ def test_beam_search_reorders_both_cache_kinds(model):
     assert torch.equal(cached, uncached)
 
 
-def test_prefill_then_single_token_steps_match_one_full_forward(model):
+def test_prefill_then_single_token_steps_match_one_full_forward(model, exact_model):
     ids = torch.randint(3, 97, (2, 70))
     with torch.no_grad():
-        full = model(ids).logits
+        full, exact = model(ids).logits, exact_model(ids).logits
         out = model(ids[:, :50], use_cache=True)
         cache, steps = getattr(out, CACHE_FIELD), [out.logits]
         for t in range(50, 70):
             out = model(ids[:, t : t + 1], cache=cache, use_cache=True)
             steps.append(out.logits)
-    assert (torch.cat(steps, dim=1) - full).abs().max() <= 1e-5
+    assert_as_accurate(torch.cat(steps, dim=1), full, exact, what="cached logits")
 
 
-def test_multi_token_continuation_matches_full_forward(model):
+def test_multi_token_continuation_matches_full_forward(model, exact_model):
     ids = torch.randint(3, 97, (2, 40))
     with torch.no_grad():
-        full = model(ids).logits
+        full, exact = model(ids).logits, exact_model(ids).logits
         first = model(ids[:, :23], use_cache=True)
         second = model(ids[:, 23:], cache=getattr(first, CACHE_FIELD), use_cache=True)
-    assert (torch.cat([first.logits, second.logits], dim=1) - full).abs().max() <= 1e-5
+    assert_as_accurate(torch.cat([first.logits, second.logits], dim=1), full, exact, what="cached logits")
 
 
 def test_forward_returns_a_hybrid_cache_and_none_without_cache(model):
@@ -158,16 +166,22 @@ def test_generation_config_is_saved(tmp_path, model):
     assert (tmp_path / "generation_config.json").exists()
 
 
-def test_cache_is_accepted_under_both_argument_names(model):
-    """transformers >= 5.24 passes `cache=`, earlier versions `past_key_values=`: both continue the same cache."""
+def test_cache_is_accepted_under_both_argument_names(model, exact_model):
+    """transformers >= 5.24 passes `cache=`, earlier versions `past_key_values=`: both continue the same cache. Where
+    `cache` is the name, `past_key_values` warns that it is deprecated (as transformers' own models do)."""
     ids = torch.randint(3, 97, (2, 12))
+    legacy_warns = CACHE_FIELD == "cache"
     with torch.no_grad():
-        full = model(ids).logits[:, -1]
+        full, exact = model(ids).logits[:, -1], exact_model(ids).logits[:, -1]
         for name in ("cache", "past_key_values"):
             prefix = getattr(model(ids[:, :-1], use_cache=True), CACHE_FIELD)
-            step = model(ids[:, -1:], use_cache=True, **{name: prefix})
-            assert (step.logits[:, -1] - full).abs().max() <= 1e-5
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                step = model(ids[:, -1:], use_cache=True, **{name: prefix})
+            deprecations = [w for w in caught if "`past_key_values` is deprecated" in str(w.message)]
+            assert len(deprecations) == (name == "past_key_values" and legacy_warns), name
+            assert_as_accurate(step.logits[:, -1], full, exact, what=f"logits through {name}")
             assert getattr(step, CACHE_FIELD) is prefix
         prefix = getattr(model(ids[:, :-1], use_cache=True), CACHE_FIELD)
-        with pytest.raises(ValueError, match="not both"):
+        with pytest.raises(ValueError, match="[Bb]oth"):
             model(ids[:, -1:], cache=prefix, past_key_values=prefix)

@@ -116,6 +116,16 @@ def test_card_states_qk_clip_qat_and_the_layout_of_the_weights_on_disk():
     assert "| weights on disk | released layout, MXFP4 routed experts |" in text
 
 
+@pytest.mark.parametrize("packing, row", [
+    ("documents", "| packing | documents: each block keeps its document boundaries, and every document starts from a "
+                  "fresh model state |"),
+    ("concatenate", "| packing | concatenate: blocks run across document boundaries, each document seeing its "
+                    "neighbours' context |"),
+])
+def test_card_states_how_the_blocks_were_packed(packing, row):
+    assert row in str(render_model_card(tiny_model(), "someone/tiny", summary(packing=packing)))
+
+
 def test_card_wall_time_counts_every_job_of_a_resumed_run():
     assert "| wall time | 137 s |" in str(render_model_card(tiny_model(), "t", summary(wall_time_s=137.2)))
     resumed = summary(wall_time_s=137.2, resumed_at=[31])

@@ -18,6 +18,7 @@ from modeling_kimi_k3 import (
 from kimi_k3.qk_clip import QKClip
 from kimi_k3.quantile_balancing import QuantileBalancingCallback
 from tests.conftest import tiny_config
+from tests.numerics import assert_as_accurate, float64_copy
 
 
 def build(config=None, dtype=torch.float64, **overrides):
@@ -156,10 +157,12 @@ def test_mla_attention_output_reaches_the_gate_in_fp32_under_bf16_autocast(imple
         keys, values = attn.expand_key_values(*attn.compress_key_values(x))
         gate = torch.sigmoid(attn.g_proj(x))
     assert out.dtype == torch.bfloat16 and gated_inputs[0].dtype == torch.float32
-    # The reference: fp32 attention over the bf16 projections, times the bf16 gate.
-    scores = (queries.float() @ keys.float().transpose(2, 3)) * attn.scaling + causal_mask(11).float()
-    reference = (scores.softmax(-1) @ values.float()).transpose(1, 2).reshape(2, 11, -1) * gate
-    torch.testing.assert_close(gated_inputs[0], reference, rtol=1e-5, atol=1e-6)
+    # The reference: fp32 attention over the bf16 projections, times the bf16 gate (and the same in fp64).
+    def gated_attention(dtype):
+        scores = (queries.to(dtype) @ keys.to(dtype).transpose(2, 3)) * attn.scaling + causal_mask(11).to(dtype)
+        return (scores.softmax(-1) @ values.to(dtype)).transpose(1, 2).reshape(2, 11, -1) * gate.to(dtype)
+
+    assert_as_accurate(gated_inputs[0], gated_attention(torch.float32), gated_attention(torch.float64))
     assert not torch.equal(gated_inputs[0], gated_inputs[0].bfloat16().float())
 
 
@@ -294,17 +297,20 @@ def test_experts_backends_agree_in_fp32_forward_and_backward():
     model = KimiK3ForCausalLM(tiny_config()).train()
     ids = torch.randint(0, 97, (2, 24))
     results = {}
-    for implementation in ("eager", "grouped_mm", "batched_mm"):
-        model.set_experts_implementation(implementation)
+    for implementation, dtype in (("eager", torch.float64), ("eager", torch.float32), ("grouped_mm", torch.float32),
+                                  ("batched_mm", torch.float32)):
+        model.to(dtype).set_experts_implementation(implementation)
         model.zero_grad()
         loss = model(ids, labels=ids).loss
         loss.backward()
-        results[implementation] = (loss.detach(), model.model.layers[1].block_sparse_moe.experts.gate_up_proj.grad.clone())
-    ref_loss, ref_grad = results["eager"]
+        grad = model.model.layers[1].block_sparse_moe.experts.gate_up_proj.grad.clone()
+        results[implementation, dtype] = (loss.detach(), grad)
+    exact_loss, exact_grad = results["eager", torch.float64]
+    ref_loss, ref_grad = results["eager", torch.float32]
     for implementation in ("grouped_mm", "batched_mm"):
-        loss, grad = results[implementation]
-        assert abs(loss - ref_loss) <= 1e-5
-        assert (grad - ref_grad).abs().max() <= 1e-5
+        loss, grad = results[implementation, torch.float32]
+        assert_as_accurate(loss, ref_loss, exact_loss, what=f"{implementation} loss")
+        assert_as_accurate(grad, ref_grad, exact_grad, what=f"{implementation} gradient")
 
 
 def test_router_weights_ignore_the_bias_which_gets_no_gradient():
@@ -350,10 +356,11 @@ def test_padded_batch_matches_unpadded_single_runs(side):
         span = slice(width - len(row), width) if side == "left" else slice(0, len(row))
         ids[i, span], mask[i, span] = row, 1
     batched = model(ids, attention_mask=mask).logits
+    exact_model = float64_copy(model)
     for i, row in enumerate(rows):
-        single = model(row[None]).logits[0]
+        single, exact = model(row[None]).logits[0], exact_model(row[None]).logits[0]
         span = slice(width - len(row), width) if side == "left" else slice(0, len(row))
-        torch.testing.assert_close(batched[i, span], single, rtol=1e-4, atol=1e-5)
+        assert_as_accurate(batched[i, span], single, exact, what=f"row {i}")
 
 
 def test_save_pretrained_round_trip_is_bit_exact_with_released_key_names(tmp_path):
@@ -524,7 +531,7 @@ def test_fused_expert_layout_also_loads(tmp_path):
         assert torch.equal(a, b), name
     # Memory-mapped fused tensors take transformers' grouped_mm fallback kernel: equal up to summation order.
     ids = torch.randint(0, 97, (1, 8))
-    torch.testing.assert_close(model(ids).logits, reloaded(ids).logits, rtol=1e-5, atol=1e-6)
+    assert_as_accurate(reloaded(ids).logits, model(ids).logits, float64_copy(model)(ids).logits, what="logits")
 
 
 def test_router_logits_and_layer_outputs_can_be_recorded():

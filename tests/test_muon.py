@@ -20,7 +20,7 @@ from kimi_k3.muon import (
 from kimi_k3.qk_clip import QKClip, QKClipCallback
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from tests.conftest import tiny_config
-from tests.numerics import assert_as_accurate
+from tests.numerics import BF16_EPS, assert_as_accurate
 
 
 def _one_step_update(grad, lr=1.0, **group):
@@ -86,7 +86,7 @@ def test_single_block_matches_torch_muon_match_rms_adamw():
             weight.grad = grad.clone()
             optimizer.step()
     relative_error = (ours - reference).norm() / (reference - start).norm()
-    assert relative_error < 3e-2  # bf16 Newton–Schulz; measured 1.1e-2
+    assert relative_error < 4 * BF16_EPS  # bf16 Newton–Schulz against fp32: a few bf16 roundings (measured 1.1e-2)
     assert torch.equal(ours, one_head)
 
 
@@ -107,7 +107,7 @@ def test_per_head_equals_torch_muon_on_each_head_slice():
         ours.step()
         reference.step()
     expected = torch.cat([weight.detach() for weight in slices])
-    assert (fused - expected).norm() / (expected - start).norm() < 3e-2  # measured 1.3e-2
+    assert (fused - expected).norm() / (expected - start).norm() < 4 * BF16_EPS  # bf16 NS (measured 1.3e-2)
 
 
 def test_tall_mla_query_update_rms_transfers_from_whole_matrix():

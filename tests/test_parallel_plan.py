@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from configuration_kimi_k3 import KimiK3Config
-from kimi_k3 import parallel_plan, parallel_verify
-from kimi_k3.muon import PerHeadMuon
+from kimi_k3 import parallel_plan
+from kimi_k3.model_inventory import build_model, model_inventory
 from kimi_k3.parallel_plan import (
-    NEWTON_SCHULZ_ROWS,
+    NEWTON_SCHULZ_ROW,
     QUANTILE_BALANCING_ROW,
     Layout,
     PlanError,
@@ -23,7 +23,7 @@ from kimi_k3.parallel_plan import (
     make_plan,
     search,
 )
-from kimi_k3.parallel_verify import build_model, fake_process_group, shard, sharded_counts
+from kimi_k3.parallel_verify import differences, fake_process_group, shard, sharded_run
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from scripts import plan_parallel
 
@@ -57,20 +57,18 @@ def plan_row(plan, name):
     ids=["fsdp3", "fsdp2-transformers", "ep2-fsdp4", "fsdp6-adamw", "lora-fsdp2"],
 )
 def test_plan_counts_equal_the_meta_model_sharded_by_the_real_code(config, layout, setup, path):
+    """Counts, every placement, the optimizer step's collectives and Newton–Schulz's assignment."""
     plan = make_plan(config, layout, setup)
-    actual, sent = sharded_counts(config, layout, setup, path)
-    assert actual == plan.counts, plan.counts.differences(actual)
-    if setup.optimizer == "muon":
-        assert plan.newton_schulz_traffic == (len(sent.calls), sent.payload)
-    else:
-        assert sent.calls == []
+    run = sharded_run(config, layout, setup, path)
+    assert differences(plan, run) == []
+    assert run.sent.calls == [] if setup.optimizer == "adamw" else len(run.sent.calls) == 2
 
 
 def test_uneven_expert_split_keeps_ceil_rows_on_rank_0(config):
     counts = element_counts(config, Layout(6, 6), Setup(optimizer="adamw"))
     gate_up = parallel_plan.ParamSpec("experts.gate_up_proj", (64, 256, 128), "layers.1", "muon", expert=True)
     assert parallel_plan.local_numel(gate_up, Layout(6, 6)) == 11 * 256 * 128
-    assert counts.parameters > sum(s.numel for s in parallel_plan.parameter_specs(config)) // 6
+    assert counts.parameters > sum(s.numel for s in model_inventory(config).specs) // 6
 
 
 def test_expert_parallel_size_that_does_not_divide_the_experts_is_refused_like_the_sharding_code(config):
@@ -78,29 +76,24 @@ def test_expert_parallel_size_that_does_not_divide_the_experts_is_refused_like_t
     with pytest.raises(PlanError, match=r"`ep` \(3\) must divide the 64 experts"):
         make_plan(config, layout, Setup())
     with fake_process_group(6), pytest.raises(ValueError, match="Cannot evenly shard 64 experts"):
-        shard(build_model(config, Setup(), "meta"), layout, "transformers")
+        shard(build_model(config, "meta"), layout, "transformers")
 
 
-def test_muon_layout_limit_is_refused_where_per_head_muon_fails(config):
-    """Expert updates on the 2-D (efsdp x ep) mesh are gathered whole and added to the shard in place; with 64 experts
-    over 128 ranks DTensor has no sharding strategy for that add."""
+def test_muon_trains_experts_sharded_over_more_ranks_than_there_are_experts(config):
+    """64 experts over 128 ranks with ep 2: 32 per ep rank over 64 FSDP ranks, so half of the ranks hold none. Every
+    expert block stays on its rank, and each rank adds its own rows to its shard."""
     layout = Layout(128, 128, ep=2)
-    with pytest.raises(PlanError, match=r"has 64 experts, fewer than the ranks sharding them"):
-        make_plan(config, layout, Setup())
-    with fake_process_group(128):
-        model = shard(build_model(config, Setup(), "meta"), layout, "transformers")
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p)
-        with pytest.raises(RuntimeError, match="in-place operations that require placement changes"):
-            PerHeadMuon.for_model(model).step()
+    plan = make_plan(config, layout, Setup())
+    assert differences(plan, sharded_run(config, layout, Setup())) == []
+    experts = [i for i, spec in enumerate(model_inventory(config).muon_step_order) if spec.expert]
+    assert experts and all(param not in experts for param, _, _ in plan.newton_schulz.cut)
 
 
 def test_split_newton_schulz_runs_muon_on_matrices_with_fewer_rows_than_ranks(config):
     """b_proj has 4 rows, sharded over 5 ranks: split Newton–Schulz adds each rank's rows to its shard in place."""
     plan = make_plan(config, Layout(5, 5), Setup())
-    actual, sent = sharded_counts(config, Layout(5, 5), Setup(), "accelerate")
-    assert actual == plan.counts
-    assert plan.newton_schulz_traffic == (len(sent.calls), sent.payload) and sent.payload > 0
+    run = sharded_run(config, Layout(5, 5), Setup(), "accelerate")
+    assert differences(plan, run) == [] and run.sent.payload > 0
 
 
 def test_search_finds_the_smallest_world_size_that_fits(config):
@@ -134,25 +127,37 @@ def test_activation_estimate_is_within_15_percent_of_what_autograd_saves(config)
 # The script: verification, fit verdicts, bad input
 # ---------------------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_full_k3_on_64_ranks_is_verified_and_does_not_fit_naming_the_category(capsys):
-    assert plan_parallel.main(["--world-size", "64", "--ep", "8", "--verify"]) == 0
+def test_full_k3_with_per_head_muon_fits_448_h200s_and_is_verified_there(capsys):
+    """The released model with bf16 weights at the layout AdamW needs (448 ranks, ep 28): 2 whole experts per rank,
+    whose Newton–Schulz never leaves it."""
+    assert plan_parallel.main(["--world-size", "448", "--ep", "28", "--param-dtype", "bf16", "--verify"]) == 0
     out = capsys.readouterr().out
     assert "verified: parameters, gradients, optimizer state and buffers" in out
-    assert "DOES NOT FIT" in out and "overflowing category: Newton-Schulz workspace" in out
-    assert "memory per rank (rank 0)" in out and "expert all-to-all" in out
+    assert "fits: " in out and "memory per rank (rank 0)" in out and "expert all-to-all" in out
+    assert NEWTON_SCHULZ_ROW in out
 
 
 def test_small_config_fits_and_prints_both_tables(capsys):
     assert plan_parallel.main(["--config", "small", "--world-size", "2", "--seq-len", "64"]) == 0
     out = capsys.readouterr().out
     assert "fits: " in out and "communication per step per rank" in out
-    assert QUANTILE_BALANCING_ROW in out and NEWTON_SCHULZ_ROWS[0] in out
+    assert QUANTILE_BALANCING_ROW in out and NEWTON_SCHULZ_ROW in out
 
 
 def test_a_plan_that_disagrees_with_the_sharded_model_is_an_error(monkeypatch, capsys):
-    monkeypatch.setattr(parallel_plan, "local_rows", lambda rows, group: rows // group)
+    monkeypatch.setattr(parallel_plan, "local_numel", lambda spec, layout: spec.numel // layout.fsdp)
     assert plan_parallel.main(["--config", "small", "--world-size", "3", "--optimizer", "adamw", "--verify"]) == 1
     assert "MISMATCH" in capsys.readouterr().out
+
+
+def test_a_plan_that_places_the_experts_wrongly_is_an_error_naming_the_parameter(monkeypatch, capsys):
+    """Experts taken as plain FSDP2 shards under ep 2: the plan's placements are not the sharded model's."""
+    one_dim = parallel_plan.planned_placements
+    monkeypatch.setattr(parallel_plan, "planned_placements",
+                        lambda expert, layout: one_dim(expert, Layout(layout.world_size, layout.fsdp)))
+    assert plan_parallel.main(["--config", "small", "--world-size", "4", "--ep", "2", "--verify"]) == 1
+    out = capsys.readouterr().out
+    assert "MISMATCH" in out and "experts.gate_up_proj: plan places it ((4,)" in out
 
 
 @pytest.mark.parametrize(
@@ -162,7 +167,7 @@ def test_a_plan_that_disagrees_with_the_sharded_model_is_an_error(monkeypatch, c
         (["--world-size", "256", "--ep", "256"], "`ep` (256) must divide the 896 experts"),
         (["--world-size", "64", "--ep", "128"], "`ep` (128) must divide `fsdp` (64)"),
         (["--world-size", "16", "--tp", "2"], "`tp` must be 1"),
-        (["--world-size", "1024", "--ep", "8"], "`optimizer` 'muon' cannot run with ep 8 over fsdp 1024"),
+        (["--world-size", "8", "--grad-accum", "0"], "`gradient_accumulation` must be a positive integer"),
         (["--world-size", "8", "--lora-rank", "8"], "use `optimizer` 'adamw' with LoRA"),
         (["--world-size", "8", "--param-dtype", "fp32", "--micro-batch", "0"], "`micro_batch` must be a positive"),
     ],
@@ -228,15 +233,13 @@ def test_plan_counts_of_the_variants_equal_the_meta_model_sharded_by_the_real_co
     config = KimiK3Config(**VARIANT_CONFIGS[variant])
     layout, setup = Layout(2, 2), Setup()
     plan = make_plan(config, layout, setup)
-    actual, sent = sharded_counts(config, layout, setup, "accelerate")
-    assert actual == plan.counts, plan.counts.differences(actual)
-    assert plan.newton_schulz_traffic == (len(sent.calls), sent.payload)
+    assert differences(plan, sharded_run(config, layout, setup, "accelerate")) == []
 
 
 def test_full_size_shared_basis_parameters_follow_the_formula_and_expert_parallelism_is_refused():
     released, basis = KimiK3Config.kimi_k3(), KimiK3Config.kimi_k3(expert_basis_size=224)
-    total = {name: sum(spec.numel for spec in parallel_plan.parameter_specs(c))
-             for name, c in (("released", released), ("basis", basis))}
+    total = {name: sum(spec.numel for spec in model_inventory(c).specs) for name, c in (("released", released),
+                                                                                      ("basis", basis))}
     experts, expert_size, moe_layers = 896, 3 * 3072 * 3584, 92
     assert total["released"] - total["basis"] == moe_layers * (experts * expert_size - (224 * expert_size + 2 * experts * 224))
     with pytest.raises(PlanError, match="`ep` must be 1 with shared-basis experts"):

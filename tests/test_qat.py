@@ -23,6 +23,7 @@ from kimi_k3.qat import (
 from kimi_k3.release_format import export_released
 from modeling_kimi_k3 import KimiK3Experts, KimiK3ForCausalLM, situ_and_mul
 from tests.conftest import tiny_config
+from tests.numerics import assert_as_accurate
 from tests.test_train import TINY_MODEL, run_interrupted, run_main, tiny_args, write_corpus
 
 # Expert input widths that MXFP4 can group (multiples of 32).
@@ -188,17 +189,21 @@ def test_mxfp8_activations_quantize_both_expert_inputs_and_nothing_else():
     attach_qat(experts, activations="mxfp8")
     output = experts(tokens, top_k_index, top_k_weights)
 
-    expected = torch.zeros(10, 32, dtype=torch.float64)
     gate_up, down = fake_quantize_mxfp4(experts.gate_up_proj), fake_quantize_mxfp4(experts.down_proj)
-    for token in range(10):
-        for slot in range(2):
-            expert = top_k_index[token, slot]
-            hidden = fake_quantize_mxfp8(tokens[token : token + 1]).double() @ gate_up[expert].double().T
-            gate, up = hidden.chunk(2, dim=-1)
-            glu = situ_and_mul(gate, up, experts.glu.beta, experts.glu.linear_beta)
-            expected[token] += top_k_weights[token, slot] * (fake_quantize_mxfp8(glu.float()).double() @
-                                                               down[expert].double().T)[0]  # fmt: skip
-    torch.testing.assert_close(output.double(), expected, rtol=1e-5, atol=1e-5)
+
+    def per_token_loop(dtype):
+        expected = torch.zeros(10, 32, dtype=dtype)
+        for token in range(10):
+            for slot in range(2):
+                expert = top_k_index[token, slot]
+                hidden = fake_quantize_mxfp8(tokens[token : token + 1]).to(dtype) @ gate_up[expert].to(dtype).T
+                gate, up = hidden.chunk(2, dim=-1)
+                glu = situ_and_mul(gate, up, experts.glu.beta, experts.glu.linear_beta)
+                expected[token] += top_k_weights[token, slot] * (fake_quantize_mxfp8(glu.float()).to(dtype) @
+                                                                   down[expert].to(dtype).T)[0]  # fmt: skip
+        return expected
+
+    assert_as_accurate(output, per_token_loop(torch.float32), per_token_loop(torch.float64), what="expert output")
 
 
 def train_two_muon_steps(model, ids) -> None:

@@ -126,3 +126,22 @@ def test_base_folder_missing_a_tensor_is_still_refused(base_folder, tmp_path):
     for model_class in (KimiK3Model, KimiK3ForCausalLM):
         with pytest.raises(ValueError, match=r"missing norm\.weight \[32\]"):
             model_class.from_pretrained(folder)
+
+
+def test_keys_to_ignore_on_load_are_honoured_as_transformers_does(base_folder, saved, tmp_path):
+    """A class may initialise the tensors its `_keys_to_ignore_on_load_missing` names (a new task head) and leave
+    those its `_keys_to_ignore_on_load_unexpected` names unread; anything else is still refused."""
+
+    class NewHead(KimiK3ForCausalLM):
+        _keys_to_ignore_on_load_missing = [r"^lm_head\."]
+
+    model, info = NewHead.from_pretrained(base_folder, output_loading_info=True)
+    assert info["missing_keys"] == set() and torch.isfinite(model.lm_head.weight).all()
+    folder = edited_copy(saved, tmp_path / "extra", lambda tensors: tensors.__setitem__("extra.scale", torch.ones(3)))
+    with pytest.raises(ValueError, match=r"unexpected extra\.scale \[3\]"):
+        KimiK3ForCausalLM.from_pretrained(folder)
+
+    class ToleratesExtra(KimiK3ForCausalLM):
+        _keys_to_ignore_on_load_unexpected = [r"^extra\."]
+
+    ToleratesExtra.from_pretrained(folder)

@@ -127,12 +127,13 @@ def generate_in_fresh_process(folder: Path, workdir: Path) -> str:
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     env.update(HF_HOME=str(workdir / "hf-fresh"), HF_HUB_OFFLINE="1")
     args = [str(folder), "--prompt", PROMPT, *SAMPLING, str(REPO / "scripts/generate.py")]
+    # Bytes, not text mode: universal newlines would turn a sampled "\r" before the printed newline into nothing.
     result = subprocess.run(
         [sys.executable, "-I", "-c", GENERATE_IN_FRESH_PROCESS, *args],
-        cwd=workdir, env=env, capture_output=True, text=True, timeout=300,
+        cwd=workdir, env=env, capture_output=True, timeout=300,
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout.removesuffix("\n")
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    return result.stdout.decode().removesuffix("\n")
 
 
 def weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -175,15 +176,38 @@ def test_bpe_tokenizer_round_trips_any_text_and_reloads_with_autotokenizer(tmp_p
     assert AutoTokenizer.from_pretrained(tmp_path)(text)["input_ids"] == ids
 
 
-def test_blocks_are_full_and_join_documents_with_eos():
+@pytest.mark.parametrize("packing", data.PACKING_MODES)
+def test_blocks_are_full_and_join_documents_with_eos(packing):
     tokenizer = train_bpe_tokenizer(["aa bb cc"] * 10, vocab_size=300)
     document = tokenizer("aa bb cc")["input_ids"] + [tokenizer.eos_token_id]
     splits = data.train_validation_split(data.datasets.Dataset.from_dict({"text": ["aa bb cc"] * 40}), 10)
-    blocks = data.tokenize_into_blocks(splits, tokenizer, block_size=8)
+    blocks = data.tokenize_into_blocks(splits, tokenizer, block_size=8, packing=packing)
     assert len(blocks["train"]) == 36 * len(document) // 8 and len(blocks["validation"]) == 4 * len(document) // 8
-    assert blocks["train"]["labels"] == blocks["train"]["input_ids"]
     stream = [token for block in blocks["train"]["input_ids"] for token in block]
     assert stream == (document * 36)[: len(stream)]
+    if packing == "concatenate":
+        assert blocks["train"]["labels"] == blocks["train"]["input_ids"]
+        assert "position_ids" not in blocks["train"].column_names
+
+
+def test_document_blocks_restart_positions_at_every_document_and_block_and_ignore_those_labels():
+    """Documents of 2, 4 and 1 tokens (+ EOS) in blocks of 5: the layout of DataCollatorWithFlattening per block."""
+    tokenizer = train_bpe_tokenizer(["aa bb cc dd ee"] * 10, vocab_size=300)
+    texts = ["aa bb", "aa bb cc dd", "ee"]
+    lengths = [len(ids) + 1 for ids in tokenizer(texts)["input_ids"]]
+    assert lengths == [3, 5, 2]
+    blocks = data.tokenize_into_blocks(data.datasets.DatasetDict(
+        {"train": data.datasets.Dataset.from_dict({"text": texts})}), tokenizer, block_size=5)["train"]
+    assert blocks["position_ids"] == [[0, 1, 2, 0, 1], [0, 1, 2, 0, 1]]
+    stream = [token for block in blocks["input_ids"] for token in block]
+    expected = [-100 if position == 0 else token
+                for token, position in zip(stream, [p for block in blocks["position_ids"] for p in block])]
+    assert [label for block in blocks["labels"] for label in block] == expected
+
+
+def test_unknown_packing_mode_is_refused_naming_the_flag():
+    with pytest.raises(data.DataError, match=r"--packing must be one of documents, concatenate, got 'documnets'"):
+        data.tokenize_into_blocks({}, None, 8, packing="documnets")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -296,6 +320,7 @@ def test_model_card_states_metadata_parameter_counts_and_results(trained):
     assert card.text.count("| layer_") == 8
     assert "| QK-Clip | tau = 100 |" in card.text and "| quantization-aware training | none |" in card.text
     assert "| weights on disk | this project's layout, float32 |" in card.text
+    assert "| packing | documents: each block keeps its document boundaries" in card.text
 
 
 def test_model_card_shows_no_local_path_and_a_usage_snippet_that_loads(trained, tmp_path, monkeypatch):

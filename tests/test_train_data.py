@@ -13,9 +13,12 @@ import pytest
 import torch
 from datasets.packaged_modules.json.json import Json, JsonConfig
 from huggingface_hub import ModelCard
+from transformers import TrainingArguments
 
 from kimi_k3 import data, train
 from kimi_k3.tokenizer import load_tokenizer, train_bpe_tokenizer
+from modeling_kimi_k3 import KimiK3ForCausalLM
+from tests.conftest import tiny_config
 from tests.test_train import run_interrupted, run_main, tiny_args, weights
 
 # Single-paragraph documents, so every builder (text reads paragraphs) sees the same ones.
@@ -116,6 +119,25 @@ def test_data_files_choose_the_builder_from_the_suffix_under_a_compression_suffi
             splits, description = data.load_corpus([str(tmp_path / pattern)], column, 10.0, streaming=streaming)
             assert sorted(all_documents(splits)) == sorted(DOCUMENTS), (pattern, streaming)
     assert description == "local files: a.txt, b.txt, streamed"  # names only: the description is published
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# --packing
+# ---------------------------------------------------------------------------------------------------------------------
+def test_the_jobs_trainer_hands_document_blocks_to_the_model_with_their_position_ids(tmp_path):
+    """Trainer drops the columns the model's forward does not name: the restarting position ids must reach it."""
+    tokenizer = train_bpe_tokenizer(DOCUMENTS, vocab_size=300)
+    splits = data.train_validation_split(datasets.Dataset.from_dict({"text": DOCUMENTS}), 10)
+    blocks = data.tokenize_into_blocks(splits, tokenizer, 16)
+    model = KimiK3ForCausalLM(tiny_config(vocab_size=300))
+    arguments = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True,
+                                  per_device_train_batch_size=4)
+    trainer = train.build_trainer(model, tokenizer, blocks, arguments, None, [])
+    batches = list(trainer.get_train_dataloader())
+    assert all(batch.keys() == {"input_ids", "position_ids", "labels"} for batch in batches)
+    positions = torch.cat([batch["position_ids"] for batch in batches])
+    assert (positions[:, 1:] != positions[:, :-1] + 1).any()  # documents start inside blocks
+    assert torch.equal(torch.cat([batch["labels"] for batch in batches]) == -100, positions == 0)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -96,8 +96,11 @@ BORROWED_API = [
             "_supports_flash_attn": "MLA's value width differs from its key width; flash-attn is refused",
             "_is_stateful": "the KDA recurrent state rules out generation modes that rewind the cache",
             "_keep_in_fp32_modules_strict": "decay parameters, convs and the router bias stay fp32",
-            "_keys_to_ignore_on_load_unexpected": "released folders also hold vision-tower and projector tensors",
-            "_can_record_outputs": "router logits and hidden states through output capturing",
+            "_keys_to_ignore_on_load_unexpected": "released folders also hold vision-tower and projector tensors; "
+                                                  "strict loading leaves unread what a class names here",
+            "_keys_to_ignore_on_load_missing": "strict loading lets a class initialise what it names here (a new "
+                                               "task head), as transformers' loading does",
+            "_can_record_outputs": "router logits, hidden states and MLA attention maps through output capturing",
             "_tied_weights_keys": "tie_word_embeddings ties lm_head to the input embedding",
             "_tp_plan": "tensor parallelism splits lm_head by vocabulary (the rest of the plan is the config's)",
         }.items()
@@ -142,6 +145,22 @@ BORROWED_API = [
                 lambda: parameters(Trainer._load_from_checkpoint)[:3] == ["self", "resume_from_checkpoint", "model"]),
     BorrowedApi("Trainer._load_best_model", "the best checkpoint of a sharded model",
                 lambda: parameters(Trainer._load_best_model) == ["self"]),
+    # DTensor's strided shard: transformers lays out the experts under expert parallelism (and packed gate/up rows
+    # under tensor parallelism) with it, and only torch's own method says which indices each rank then holds.
+    BorrowedApi(
+        "torch.distributed.tensor.placement_types._StridedShard / _StridedShardOffsetMode.ALL",
+        "kimi_k3.shard_layout finds the rows every rank holds, so that Per-Head Muon orthogonalises whole experts "
+        "where they lie",
+        lambda: hasattr(importlib.import_module("torch.distributed.tensor.placement_types")._StridedShardOffsetMode,
+                        "ALL")
+        and "offset_mode" in parameters(
+            importlib.import_module("torch.distributed.tensor.placement_types")._StridedShard.local_shard_size_and_offset
+        ),
+    ),
+    BorrowedApi("DTensor.__create_chunk_list__",
+                "each rank checks at the first split step that the shard it computed for itself is its own (the "
+                "offsets distributed checkpointing reads)",
+                lambda: hasattr(importlib.import_module("torch.distributed.tensor").DTensor, "__create_chunk_list__")),
     # torch's CPU instruction-set queries: no public API says whether bf16 matmuls are native.
     BorrowedApi("torch.cpu._is_avx512_bf16_supported / torch.cpu._is_amx_tile_supported",
                 "bf16 Newton–Schulz only on CPUs with native bf16 (kimi_k3.precision); a missing query means fp32",

@@ -1,14 +1,16 @@
 """Per-Head Muon steps on the same gradients in one process (the reference) and on every rank of a launched group.
 
 Launched as ``torchrun --nproc_per_node 2 tests/dist_scripts/split_newton_schulz.py WORK`` (repository root on
-PYTHONPATH): every rank runs :func:`main`, which steps a replicated (DDP layout) and an FSDP2-sharded copy of the
-model of every ``WORK/<name>.json`` configuration on gradients that are a function of the parameter name and the step alone, counting
-each rank's matmul FLOPs and the bytes it exchanges with the other ranks inside ``optimizer.step()``; rank 0 writes
-the final weights and the counts to ``WORK/split.pt``. Only the optimizer runs: the gradients stand in for what a
-backward would leave, without its cost.
+PYTHONPATH): every rank runs :func:`main`, which steps a copy of the model of every ``WORK/<name>.json``
+configuration in each layout ``WORK/layouts.json`` lists for it (replicated as under DDP; FSDP2 per decoder layer;
+transformers' sharding with expert parallelism, ``ep``, or tensor parallelism, ``tp``) on gradients that are a function
+of the parameter name and the step alone, counting each rank's matmul FLOPs and the bytes it exchanges with the other
+ranks inside ``optimizer.step()``; rank 0 writes the final weights and the counts to ``WORK/split.pt``. Only the
+optimizer runs: the gradients stand in for what a backward would leave, without its cost.
 """
 
 import contextlib
+import json
 import sys
 import zlib
 from pathlib import Path
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.flop_counter import FlopCounterMode
+from transformers.distributed import DistributedConfig
 
 from configuration_kimi_k3 import KimiK3Config
 from kimi_k3.distributed import full_state_dict, shard_decoder_layers
@@ -26,6 +29,8 @@ from modeling_kimi_k3 import KimiK3ForCausalLM
 
 STEPS = 3
 LEARNING_RATE = 1e-2
+# transformers' sharding of the in-memory model, as from_pretrained(distributed_config=...) does while loading.
+TRANSFORMERS_LAYOUTS = {"ep": DistributedConfig(fsdp_size=2, ep_size=2), "tp": DistributedConfig(tp_size=2)}
 
 
 def build_model(config: KimiK3Config) -> KimiK3ForCausalLM:
@@ -67,7 +72,8 @@ def counted_traffic(traffic: list[int]):
 
 
 def run_steps(model) -> dict:
-    """STEPS optimizer steps (momentum carries over): per step, the matmul FLOPs and the traffic of this process."""
+    """STEPS optimizer steps (momentum carries over): per step, the matmul FLOPs and the traffic of this process, and
+    the traffic the optimizer's own plans give this rank."""
     optimizer = PerHeadMuon.for_model(model, lr=LEARNING_RATE)
     flops, traffic = [], []
     for step in range(STEPS):
@@ -77,7 +83,11 @@ def run_steps(model) -> dict:
             optimizer.step()
         flops.append(counter.get_total_flops())
         optimizer.zero_grad()
-    return {"flops": flops, "traffic": [tuple(pair) for pair in traffic], "ns_itemsize": optimizer.ns_dtype.itemsize}
+    itemsize = optimizer.ns_dtype.itemsize
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    planned = [sum(plan.exchange_bytes(itemsize)[rank][i] for plan in optimizer.newton_schulz_plans()) for i in (0, 1)]
+    return {"flops": flops, "traffic": [tuple(pair) for pair in traffic], "planned_traffic": tuple(planned),
+            "ns_itemsize": itemsize}
 
 
 def single_process(config: KimiK3Config) -> dict:
@@ -90,12 +100,16 @@ def distributed_layout(config: KimiK3Config, layout: str) -> dict:
     model = build_model(config)
     if layout == "fsdp2":
         shard_decoder_layers(model)
+    elif layout in TRANSFORMERS_LAYOUTS:
+        distributed_config, _, mesh = KimiK3ForCausalLM.prepare_distribute_model(TRANSFORMERS_LAYOUTS[layout])
+        model = KimiK3ForCausalLM.maybe_distribute_model(model, distributed_config, mesh)
     result = run_steps(model)
-    flops, traffic = [None] * dist.get_world_size(), [None] * dist.get_world_size()
-    dist.all_gather_object(flops, result["flops"])
-    dist.all_gather_object(traffic, result["traffic"])
-    state = full_state_dict(model) if layout == "fsdp2" else model.state_dict()
-    return {"flops_per_rank": flops, "bytes_per_rank": traffic, "state": state, "ns_itemsize": result["ns_itemsize"]}
+    gathered = {key: [None] * dist.get_world_size() for key in ("flops", "traffic", "planned_traffic")}
+    for key, values in gathered.items():
+        dist.all_gather_object(values, result[key])
+    state = model.state_dict() if layout == "ddp" else full_state_dict(model)
+    return {"flops_per_rank": gathered["flops"], "bytes_per_rank": gathered["traffic"],
+            "planned_bytes_per_rank": gathered["planned_traffic"], "state": state, "ns_itemsize": result["ns_itemsize"]}
 
 
 def refusal_of_rank_dependent_updates(config: KimiK3Config) -> str:
@@ -113,9 +127,9 @@ def refusal_of_rank_dependent_updates(config: KimiK3Config) -> str:
 def main(work: Path) -> None:
     dist.init_process_group("gloo")
     results = {}
-    for path in sorted(work.glob("*.json")):
-        config = KimiK3Config.from_json_file(path)
-        results[path.stem] = {layout: distributed_layout(config, layout) for layout in ("ddp", "fsdp2")}
+    for name, layouts in json.loads((work / "layouts.json").read_text()).items():
+        config = KimiK3Config.from_json_file(work / f"{name}.json")
+        results[name] = {layout: distributed_layout(config, layout) for layout in layouts}
     results["refusal"] = refusal_of_rank_dependent_updates(config)
     if dist.get_rank() == 0:
         torch.save(results, work / "split.pt")
