@@ -177,25 +177,25 @@ def quantize_mxfp4(weight: torch.Tensor, name: str = "weight") -> tuple[torch.Te
     group_max = groups.abs().amax(-1)  # NaN and inf propagate into the group maximum
     if not torch.isfinite(group_max).all():
         raise ValueError(f"`{name}` holds non-finite values, which MXFP4 cannot encode.")
-    scale_exponents = _smallest_fitting_exponents(group_max)
-    scaled = groups / _power_of_two(scale_exponents - 127)[..., None]
+    scale_exponents = smallest_fitting_exponents(group_max)
+    scaled = groups / power_of_two(scale_exponents - 127)[..., None]
     codes = _e2m1_codes(scaled).flatten(-2)
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return blocks, scale_exponents.to(torch.uint8)
 
 
-def _smallest_fitting_exponents(group_max: torch.Tensor) -> torch.Tensor:
+def smallest_fitting_exponents(group_max: torch.Tensor) -> torch.Tensor:
     """Biased E8M0 exponents s (int32) of the smallest 2^(s − 127) with group_max <= 6 · 2^(s − 127), s >= 0."""
     e2m1_max = E2M1_MAGNITUDES[-1]
     mantissa, exponent = torch.frexp(group_max.clamp_min(torch.finfo(torch.float32).tiny) / e2m1_max)
     # frexp gives m·2^e with m in [0.5, 1): ceil(log2) is e, or e − 1 when m is exactly 0.5.
     unbiased = exponent - (mantissa == 0.5).int()
     # The division by 6 rounds; one exact comparison repairs a ceiling that came out one too small.
-    unbiased += (group_max > e2m1_max * _power_of_two(unbiased)).int()
+    unbiased += (group_max > e2m1_max * power_of_two(unbiased)).int()
     return (unbiased + 127).clamp_min(0)
 
 
-def _power_of_two(exponents: torch.Tensor) -> torch.Tensor:
+def power_of_two(exponents: torch.Tensor) -> torch.Tensor:
     """2^e in fp32, exact for every e the E8M0 range needs (down to the subnormal 2^-127)."""
     return torch.ldexp(torch.ones_like(exponents, dtype=torch.float32), exponents)
 

@@ -11,8 +11,10 @@ Attention (arXiv:2505.06708), Attention Residuals (arXiv:2603.15031), and transf
 
 The file imports only torch, transformers and its sibling files (configuration, checkpoint formats, and, for the
 opt-in Stable LatentMoE variants only, ``variants_kimi_k3.py``), so it can be copied into a checkpoint folder and
-loaded with ``trust_remote_code=True``. Fast kernels attach from outside
-(``kimi_k3.fused_situ``); design notes for contributors are in the repository's ``docs/design.md``.
+loaded with ``trust_remote_code=True``. Training code attaches from outside, at two seams: every SiTU-GLU runs through
+a ``KimiK3GLUActivation`` (fused kernels replace its forward), and each MLA layer shows its queries and keys to its
+``query_key_observer`` (QK-Clip records there). Design notes for contributors are in the repository's
+``docs/design.md``.
 """
 
 import math
@@ -160,9 +162,10 @@ def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta:
 
 
 class KimiK3GLUActivation(nn.Module):
-    """The gated activation shared by the dense MLP, the shared experts and the routed experts.
+    """The gated activation of the dense MLP, the shared experts and the routed experts: the one module every GLU goes
+    through, so a kernel attached here serves them all.
 
-    The body is the eager reference; ``kimi_k3.fused_situ.use_fused_situ`` swaps in compiled kernels for training.
+    The body is the eager reference; ``kimi_k3.kernels.fused_situ`` swaps in compiled kernels for training.
     """
 
     def __init__(self, config: KimiK3Config):
@@ -171,7 +174,10 @@ class KimiK3GLUActivation(nn.Module):
         self.linear_beta = config.activation_situ_linear_beta
         self.act_fn = None if config.hidden_act == "situ" else ACT2FN[config.hidden_act]
 
-    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    def forward(self, gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+        """``up=None``: ``gate`` is the routed experts' concatenated ``[gate ‖ up]``."""
+        if up is None:
+            gate, up = gate.chunk(2, dim=-1)
         if self.act_fn is not None:
             return self.act_fn(gate) * up
         return situ_and_mul(gate, up, self.beta, self.linear_beta)
@@ -800,7 +806,8 @@ class KimiK3Experts(nn.Module):
         self.glu = KimiK3GLUActivation(config)
 
     def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
-        return self.glu(*gate_up_out.chunk(2, dim=-1))
+        # transformers' experts backends call this with the concatenated [gate ‖ up]; it goes to the activation whole.
+        return self.glu(gate_up_out)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         """Also accept the released per-expert keys (``{e}.w1/w3/w2.weight``) in plain ``load_state_dict``.
@@ -1056,16 +1063,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
         **kwargs: Unpack[TransformersKwargs],
     ) -> MoeModelOutputWithPast:
         cache = take_cache_argument(cache, kwargs)
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
-        if inputs_embeds is None:
-            self._check_input_ids(input_ids)
-            inputs_embeds = self.embed_tokens(input_ids)
-        if inputs_embeds.ndim != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
-            raise ValueError(
-                f"`inputs_embeds` must have shape [batch, seq_len, {self.config.hidden_size}], "
-                f"got {tuple(inputs_embeds.shape)}."
-            )
+        inputs_embeds = self._input_embeddings(input_ids, inputs_embeds)
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         _check_cache_type(cache)
@@ -1106,6 +1104,20 @@ class KimiK3Model(KimiK3PreTrainedModel):
             last_hidden_state=self.norm(hidden_states),
             **{CACHE_FIELD: cache},
         )
+
+    def _input_embeddings(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+        """The embedded tokens, from exactly one of ``input_ids`` and ``inputs_embeds``, checked."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
+        if inputs_embeds is None:
+            self._check_input_ids(input_ids)
+            inputs_embeds = self.embed_tokens(input_ids)
+        if inputs_embeds.ndim != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
+            raise ValueError(
+                f"`inputs_embeds` must have shape [batch, seq_len, {self.config.hidden_size}], "
+                f"got {tuple(inputs_embeds.shape)}."
+            )
+        return inputs_embeds
 
     def _check_input_ids(self, input_ids: torch.Tensor) -> None:
         if input_ids.ndim != 2 or input_ids.dtype not in (torch.int32, torch.int64):

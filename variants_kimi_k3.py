@@ -2,7 +2,7 @@
 
 Descriptions of Stable LatentMoE name more ideas than the released design (K3 report §2.3) implements. Five of them
 change the model and live here; the sixth, periodic expert merging, is a training procedure
-(``kimi_k3.expert_merging``). `KimiK3Config` fields switch each on; ``KimiK3DecoderLayer`` then swaps the modules
+(``kimi_k3.policies.expert_merging``). `KimiK3Config` fields switch each on; ``KimiK3DecoderLayer`` then swaps the modules
 below in for the released ones (`build_layer_variants`). With every field off this file is never imported and the
 model is the release, bit for bit. Where a description is ambiguous, the definition here decides; each class says so.
 

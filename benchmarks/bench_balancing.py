@@ -2,7 +2,7 @@
 
 Trains the same model (same init, same data order) three times with ``transformers.Trainer`` on byte-level text
 of Python's own documentation (``pydoc_data.topics``) and prints a markdown table of MaxVio over the steps
-(training.md §1.8); writes a PNG when matplotlib is importable.
+(MaxVio: Loss-Free Balancing, arXiv:2408.15664, Eq. 4); writes a PNG when matplotlib is importable.
 
     python benchmarks/bench_balancing.py --steps 100
 """
@@ -19,8 +19,8 @@ from transformers import PrinterCallback, ProgressCallback, Trainer, TrainingArg
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
-from kimi_k3.expert_load import PLOT_EXTRA, matplotlib_available, new_figure, plot_max_vio  # noqa: E402
-from kimi_k3.quantile_balancing import QuantileBalancingCallback  # noqa: E402
+from kimi_k3.job.expert_load import PLOT_EXTRA, matplotlib_available, new_figure, plot_max_vio  # noqa: E402
+from kimi_k3.policies.quantile_balancing import QuantileBalancingCallback  # noqa: E402
 from modeling_kimi_k3 import KimiK3ForCausalLM  # noqa: E402
 
 RULES = {

@@ -1,4 +1,4 @@
-"""Streaming checkpoint conversion (kimi_k3.release_format): time and peak memory of both directions.
+"""Streaming checkpoint conversion (kimi_k3.checkpoint.release_format): time and peak memory of both directions.
 
 Each conversion runs in a fresh process that first converts a small checkpoint (imports, one-off allocations), then
 resets its resident-memory high-water mark (Linux /proc/self/clear_refs) and converts the measured checkpoint; the
@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without installing
 
 from benchmarks.common import bench_arguments, report  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
-from kimi_k3.release_format import export_released  # noqa: E402
+from kimi_k3.checkpoint.release_format import export_released  # noqa: E402
 from modeling_kimi_k3 import KimiK3ForCausalLM  # noqa: E402
 
 # (routed expert width for both latent and intermediate, shard MiB); the default small KimiK3Config otherwise.
@@ -34,7 +34,7 @@ DIRECTIONS = ("to-release", "from-release")  # from-release reads what to-releas
 
 _CONVERT_AND_MEASURE = """
 import json, sys, time
-from kimi_k3.release_format import export_released, import_released
+from kimi_k3.checkpoint.release_format import export_released, import_released
 
 def status_mib(field):
     with open("/proc/self/status") as status:

@@ -1,7 +1,7 @@
 """P3: decoding the default `KimiK3Config()` model with its cache against recomputing the whole prefix per token.
 
 With the cache each new token costs one step: KDA layers update a fixed d x d state per head, MLA layers attend over
-the cached latent (normed c_kv and the shared k_r, architecture.md §2.4) in the absorbed form. Without it every token
+the cached latent (normed c_kv and the shared k_r, DeepSeek-V2's MLA cache) in the absorbed form. Without it every token
 re-runs the full forward over the prefix. Cache bytes are read off the cache itself after prefills of two lengths:
 the growth per token is the MLA latent, the rest (KDA states, short-conv windows) is constant per sequence.
 

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
 from transformers.utils import logging  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
-from kimi_k3.fused_situ import use_fused_situ  # noqa: E402
+from kimi_k3.kernels.fused_situ import use_fused_situ  # noqa: E402
 from modeling_kimi_k3 import KimiK3ForCausalLM  # noqa: E402
 
 VARIANTS = {  # name -> (model family, bf16 autocast)

@@ -2,7 +2,7 @@
 kimi_linear torch chunk kernel; packed documents (8 in one row, each starting from a zero state) against one
 unpacked row of the same length; and the decode step, which must not grow with the context.
 
-Both kernels get the same raw q, k, v, the K3 gate g = lb·σ(exp(A_log)(f + dt_bias)) (architecture.md §2.3 step 4)
+Both kernels get the same raw q, k, v, the K3 gate g = lb·σ(exp(A_log)(f + dt_bias)) (K3 report §2.1; Kimi Linear, arXiv:2510.26692)
 and β. Ours L2-normalises and scales q, k with `l2_normalize` inside the timed region, exactly as the layer does;
 theirs does the same with ``use_qk_l2norm_in_kernel=True``. The largest output difference is reported as a check.
 
@@ -22,7 +22,7 @@ from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delt
 from transformers.utils import logging  # noqa: E402
 from modeling_kimi_k3 import chunk_kda, kda_decay_gate, l2_normalize, recurrent_kda  # noqa: E402
 
-HEAD_DIM = 128  # K3's KDA head size (architecture.md §2.3)
+HEAD_DIM = 128  # K3's KDA head size (the released config's `linear_attn_config`)
 GATE_LOWER_BOUND = -5.0
 # (seq_len, batch, heads): the transformers kernel materialises a [B, H, T/64, 64, 64, d] decay tensor and runs a
 # 63-step in-place loop under autograd, which bounds the shapes that fit a few minutes.

@@ -30,7 +30,7 @@ from torch import nn  # noqa: E402
 from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig  # noqa: E402
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeSparseMoeBlock  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
-from kimi_k3.fused_situ import use_fused_situ  # noqa: E402
+from kimi_k3.kernels.fused_situ import use_fused_situ  # noqa: E402
 from modeling_kimi_k3 import (  # noqa: E402
     KimiK3Experts,
     KimiK3GLUActivation,
@@ -256,7 +256,7 @@ def eager_backward_floor(setting: Setting) -> float:
 def time_experts_only(setting: Setting, repeats: int) -> list[dict]:
     """KimiK3Experts vs Qwen3MoeExperts on the same balanced random routing: identical matmul FLOPs.
 
-    Ours is also run with SiLU in place of SiTU-GLU, which isolates the cost of K3's activation (training.md §3.1).
+    Ours is also run with SiLU in place of SiTU-GLU, which isolates the cost of K3's activation (K3 report §2.3.2 Eq. 12).
     """
     generator = torch.Generator().manual_seed(2)
     tokens = torch.randn(setting.tokens, LATENT, generator=generator).requires_grad_()

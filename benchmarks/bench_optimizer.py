@@ -2,7 +2,7 @@
 
 (a) ``run()`` (part of ``run_all.py``): step time on the default ``KimiK3Config()`` model with fixed random
     gradients, interleaved, as ratios to AdamW measured in the same run:
-    - PerHeadMuon (per-head q/k/v blocks, experts per matrix, AdamW for the rest, training.md §2.4);
+    - PerHeadMuon (per-head q/k/v blocks, experts per matrix, AdamW for the rest, as `build_param_groups` splits them);
     - the same optimizer with whole q/k/v matrices, which isolates the per-head Newton–Schulz cost;
     - torch.optim.Muon(adjust_lr_fn="match_rms_adamw") on the 2-D Muon matrices, AdamW on everything else
       (including the 3-D experts, which torch's Muon rejects);
@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from pydoc_data.topics import topics  # noqa: E402
 from transformers import PrinterCallback, ProgressCallback, Trainer, TrainingArguments  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
-from kimi_k3.muon import (  # noqa: E402
+from kimi_k3.optim.muon import (  # noqa: E402
     NS_STEPS,
     PerHeadMuon,
     PerHeadMuonFactory,
@@ -43,7 +43,7 @@ from kimi_k3.muon import (  # noqa: E402
     row_pattern,
     split_row_blocks,
 )
-from kimi_k3.precision import cpu_has_native_bf16  # noqa: E402
+from kimi_k3.optim.precision import cpu_has_native_bf16  # noqa: E402
 from modeling_kimi_k3 import KimiK3ForCausalLM  # noqa: E402
 
 TUNED_LR = {"PerHeadMuon": 3e-3, "AdamW": 3e-3}

@@ -1,4 +1,4 @@
-"""MXFP4 quantization-aware training vs post-training quantization of the routed experts (kimi_k3.qat).
+"""MXFP4 quantization-aware training vs post-training quantization of the routed experts (kimi_k3.quantization.qat).
 
 Starting from a trained model (the default `kimi-k3-train` run's `model/` folder), fine-tune it on the embedded corpus
 for the same number of steps twice with `kimi-k3-train`: (a) plain, then export to the released layout (post-training
@@ -26,18 +26,19 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without installing
 
 from benchmarks.common import bench_arguments, report, time_interleaved  # noqa: E402
-from kimi_k3 import train  # noqa: E402
-from kimi_k3.data import load_corpus, tokenize_into_blocks  # noqa: E402
-from kimi_k3.muon import PerHeadMuon  # noqa: E402
-from kimi_k3.qat import (  # noqa: E402
+from kimi_k3.job import main as train  # noqa: E402
+from kimi_k3.job.final_save import FINAL_MODEL_DIR  # noqa: E402
+from kimi_k3.text.corpus import load_corpus, tokenize_into_blocks  # noqa: E402
+from kimi_k3.optim.muon import PerHeadMuon  # noqa: E402
+from kimi_k3.quantization.qat import (  # noqa: E402
     attach_qat,
     fake_quantize_mxfp4,
     fake_quantize_mxfp4_eager,
     fake_quantize_mxfp4_reference,
     find_routed_experts,
 )
-from kimi_k3.release_format import export_released  # noqa: E402
-from kimi_k3.tokenizer import load_tokenizer  # noqa: E402
+from kimi_k3.checkpoint.release_format import export_released  # noqa: E402
+from kimi_k3.text.tokenizer import load_tokenizer  # noqa: E402
 from modeling_kimi_k3 import KimiK3ForCausalLM  # noqa: E402
 
 QUICK_MODEL = {
@@ -72,7 +73,7 @@ def quick_base(folder: Path) -> Path:
     run_training(["--output_dir", str(folder), "--config_overrides", json.dumps(QUICK_MODEL), "--max_steps", "8",
                   "--tokenizer_vocab_size", "512", "--eval_strategy", "no", "--save_strategy", "no",
                   "--disable_tqdm", "True", "--logging_steps", "100"])  # fmt: skip
-    return folder / train.FINAL_MODEL_DIR
+    return folder / FINAL_MODEL_DIR
 
 
 def fine_tune(base: Path, folder: Path, args, qat: bool) -> Path:
@@ -83,7 +84,7 @@ def fine_tune(base: Path, folder: Path, args, qat: bool) -> Path:
         "--warmup_steps", str(max(1, args.steps // 10)), "--eval_strategy", "no", "--save_strategy", "no",
         "--disable_tqdm", "True", "--logging_steps", "100", *extra,
     ])  # fmt: skip
-    return folder / train.FINAL_MODEL_DIR
+    return folder / FINAL_MODEL_DIR
 
 
 @torch.no_grad()

@@ -1,8 +1,8 @@
 """P5: the cost of recording Quantile Balancing statistics on the router, as a share of the MoE block forward.
 
-In training forwards (train mode, grad enabled) the ``RouterStatistics`` hook that ``QuantileBalancingCallback``
-attaches to a router counts each valid token's experts and adds its required bias r = α − s to the [n, B] histogram
-(training.md §1.4). The baseline is the same router without the hook; "counts only" is the hook of the sign and
+In training forwards (train mode, grad enabled) the ``RouterStatistics`` hook that ``QuantileBalancing.attach``
+puts on a router counts each valid token's experts and adds its required bias r = α − s to the [n, B] histogram
+(K3 report App. D). The baseline is the same router without the hook; "counts only" is the hook of the sign and
 "none" rules. The overhead is (router with hook − router without) / MoE block forward, all timed interleaved in one
 run.
 
@@ -19,7 +19,7 @@ from benchmarks.common import bench_arguments, report, time_interleaved  # noqa:
 from benchmarks.bench_moe import HIDDEN, INTERMEDIATE, LATENT, SHARED, initialise  # noqa: E402
 import torch  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
-from kimi_k3.quantile_balancing import RouterStatistics  # noqa: E402
+from kimi_k3.policies.quantile_balancing import RouterStatistics  # noqa: E402
 from modeling_kimi_k3 import KimiK3SparseMoeBlock, KimiK3TopkRouter  # noqa: E402
 
 PADDING_FRACTION = 0.1
@@ -57,8 +57,8 @@ def router_variants(config: KimiK3Config, block: KimiK3SparseMoeBlock, padding: 
     for name in ("none", "plain"):
         routers[name] = KimiK3TopkRouter(config).train()
         routers[name].load_state_dict(block.gate.state_dict())
-    RouterStatistics(routers["qb"], padding, "histogram", num_bins=1000)
-    RouterStatistics(routers["none"], padding, None, num_bins=1000)
+    for name, estimator in (("qb", "histogram"), ("none", None)):
+        routers[name].register_forward_hook(RouterStatistics(routers[name], padding, estimator, num_bins=1000).record)
     return routers
 
 

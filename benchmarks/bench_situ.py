@@ -23,7 +23,7 @@ from benchmarks.common import bench_arguments, report, time_interleaved  # noqa:
 from benchmarks.bench_moe import INTERMEDIATE  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from kimi_k3.fused_situ import fused_situ_glu, situ_glu  # noqa: E402
+from kimi_k3.kernels.fused_situ import fused_situ_glu, situ_glu  # noqa: E402
 
 BETA, LINEAR_BETA = 4.0, 25.0  # the release's activation_situ_beta / activation_situ_linear_beta
 

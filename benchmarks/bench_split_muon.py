@@ -33,14 +33,14 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
-from kimi_k3.muon import (  # noqa: E402
+from kimi_k3.optim.muon import (  # noqa: E402
     NS_STEPS,
     PerHeadMuon,
     build_param_groups,
     muon_shapes_and_patterns,
     newton_schulz_exchange_bytes,
 )
-from kimi_k3.split_newton_schulz import plan_exchange  # noqa: E402
+from kimi_k3.optim.split_newton_schulz import plan_exchange  # noqa: E402
 from modeling_kimi_k3 import KimiK3ForCausalLM  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from benchmarks.common import bench_arguments, report, time_interleaved  # noqa: E402
 import torch  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
-from kimi_k3.quantile_balancing import QuantileBalancingCallback  # noqa: E402
+from kimi_k3.policies.quantile_balancing import QuantileBalancing  # noqa: E402
 from modeling_kimi_k3 import KimiK3ForCausalLM  # noqa: E402
 
 # The configurations of docs/variants.md (default model: 64 experts, top-4).
@@ -61,10 +61,10 @@ def dense_forward_flops_per_token(model: KimiK3ForCausalLM) -> float:
     return sum(2 * p.numel() for name, p in model.named_parameters() if p.ndim == 2 and not any(s in name for s in skipped))
 
 
-def training_step(model: KimiK3ForCausalLM, balancing: QuantileBalancingCallback, ids: torch.Tensor):
+def training_step(model: KimiK3ForCausalLM, balancing: QuantileBalancing, ids: torch.Tensor):
     def step() -> None:
         model(ids, labels=ids).loss.backward()
-        balancing.update(model)
+        balancing.update()
         for p in model.parameters():
             p.grad = None
 
@@ -80,7 +80,8 @@ def main() -> None:
     for name, fields in VARIANTS.items():
         torch.manual_seed(0)
         model = KimiK3ForCausalLM(KimiK3Config(**fields)).train()
-        balancing = QuantileBalancingCallback(model, per_layer_metrics=False)
+        balancing = QuantileBalancing(model, per_layer_metrics=False)
+        balancing.attach()
         steps[name] = training_step(model, balancing, ids)
         moe = moe_forward_flops_per_token(model.config, ids.numel())
         rows.append({"variant": name, "parameters": model.num_parameters(),

@@ -23,7 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from kimi_k3.precision import cpu_has_native_bf16  # noqa: E402
+from kimi_k3.optim.precision import cpu_has_native_bf16  # noqa: E402
 
 
 def time_interleaved(

@@ -37,12 +37,13 @@ WARMUP_STEPS = 10
 JOB = """
 import json, statistics, sys, time
 from transformers import TrainerCallback
-from kimi_k3 import train
-from kimi_k3.quantile_balancing import QuantileBalancingCallback
+from kimi_k3.job import main as job
+from kimi_k3.policies.quantile_balancing import QuantileBalancingCallback
 
 class StepRecorder(TrainerCallback):
     def __init__(self, trainer):
-        self.balancing = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, QuantileBalancingCallback))
+        self.balancing = next(cb.policy for cb in trainer.callback_handler.callbacks
+                              if isinstance(cb, QuantileBalancingCallback))
         self.tokens = trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps
         self.seconds, self.active = [], []
     def on_step_begin(self, args, state, control, **kwargs):
@@ -52,15 +53,15 @@ class StepRecorder(TrainerCallback):
         loads = self.balancing.latest_loads.values()
         self.active.append(sum(int(load.sum()) for load in loads) / len(loads))
 
-build_trainer = train.build_trainer
+build_trainer = job.build_trainer
 recorders = []
 def build_and_record(*args, **kwargs):
     trainer = build_trainer(*args, **kwargs)
     recorders.append(StepRecorder(trainer))
     trainer.add_callback(recorders[-1])
     return trainer
-train.build_trainer = build_and_record
-status = train.main(sys.argv[2:])
+job.build_trainer = build_and_record
+status = job.main(sys.argv[2:])
 recorder = recorders[0]
 json.dump({"status": status, "step_seconds": recorder.seconds, "routes_per_step": recorder.active,
            "block_tokens": recorder.tokens}, open(sys.argv[1], "w"))

@@ -1,13 +1,29 @@
-"""Training-side library for Kimi K3 models: balancing, optimizers, data and training entry points.
+"""Training-side library for Kimi K3 models, by concern:
 
-The model itself lives in the flat modules ``configuration_kimi_k3`` / ``modeling_kimi_k3`` so that the very
-same files can be copied into checkpoint folders for ``trust_remote_code``.
+- ``attachments``: how training code acts on a model from outside (the model's seams, the shared padding mask,
+  removable handles);
+- ``policies``: Quantile Balancing and QK-Clip, which update from optimizer step hooks, and their Trainer callbacks;
+- ``optim``: Per-Head Muon, its split Newton–Schulz, and the precision it picks;
+- ``kernels``: compiled kernels attached to the model (fused SiTU-GLU);
+- ``quantization``: MXFP4 quantization-aware training of the routed experts;
+- ``checkpoint``: the released layout's folder conversion and atomic folder writes;
+- ``parallel``, ``planning``: FSDP2 sharding helpers; per-rank memory and communication plans;
+- ``text``: training corpora and tokenizers; ``publishing``: model cards and hub uploads;
+- ``job``: the ``kimi-k3-train`` training job.
+
+The model itself lives in the flat modules ``configuration_kimi_k3`` / ``modeling_kimi_k3`` /
+``checkpoint_format_kimi_k3`` so that the very same files can be copied into checkpoint folders for
+``trust_remote_code``.
 """
 
 from configuration_kimi_k3 import SUPPORTED_TRANSFORMERS, installed_transformers, transformers_is_supported
+
+from . import moved_modules
 
 if not transformers_is_supported():
     raise ImportError(
         f"kimi_k3 supports transformers {SUPPORTED_TRANSFORMERS}, but {installed_transformers()} is installed: "
         f"pip install 'transformers{SUPPORTED_TRANSFORMERS}'"
     )
+
+moved_modules.install()

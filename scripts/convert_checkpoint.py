@@ -1,62 +1,15 @@
-"""Convert a Kimi-K3 checkpoint between our save_pretrained layout and the released layout (architecture.md §3).
+"""Convert a Kimi-K3 checkpoint between our layout and the released one (the same as the `kimi-k3-convert` command).
 
-    python scripts/convert_checkpoint.py to-release   OUR_FOLDER      RELEASED_FOLDER [--max-shard-size 5GB]
-    python scripts/convert_checkpoint.py from-release RELEASED_FOLDER OUR_FOLDER      [--max-shard-size 5GB]
-
-``to-release`` writes the multimodal wrapper config, ``language_model.``-prefixed text tensors, MXFP4 routed experts
-and zero-padded ``A_log``; ``from-release`` undoes all four and drops the vision tower. Both stream one output shard
-at a time and write ``model.safetensors.index.json`` when there is more than one shard.
+    python scripts/convert_checkpoint.py to-release   our-folder      released-folder --max_shard_size 2GB
+    python scripts/convert_checkpoint.py from-release released-folder our-folder
 """
 
-import argparse
-import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout without installing
 
-from kimi_k3.release_format import DEFAULT_MAX_SHARD_BYTES, export_released, import_released  # noqa: E402
-
-DIRECTIONS = {"to-release": export_released, "from-release": import_released}
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-
-
-def parse_size(text: str) -> int:
-    """'5GB', '500MiB' or a plain byte count -> bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).upper() if match else None
-    if unit not in _SIZE_UNITS:
-        raise argparse.ArgumentTypeError(
-            f"--max-shard-size must be a number with an optional unit in {sorted(u for u in _SIZE_UNITS if u)}, "
-            f"got {text!r}."
-        )
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("direction", choices=sorted(DIRECTIONS))
-    parser.add_argument("source", type=Path, help="checkpoint folder to read")
-    parser.add_argument("target", type=Path, help="empty or new folder to write")
-    parser.add_argument(
-        "--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_BYTES, help="largest output shard (default 5GiB)"
-    )
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Convert; a bad input or a failed write prints one line and returns 2, leaving no partial target folder."""
-    args = parse_args(argv)
-    convert = DIRECTIONS[args.direction]
-    try:
-        shards = convert(args.source, args.target, max_shard_bytes=args.max_shard_size, progress=not args.no_progress)
-    except (ValueError, OSError) as error:
-        print(f"convert_checkpoint.py: error: {' '.join(str(error).split())}", file=sys.stderr)
-        return 2
-    print(f"Wrote {len(shards)} shard(s) to {args.target}")
-    return 0
-
+from kimi_k3.checkpoint.convert import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

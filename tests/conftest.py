@@ -22,7 +22,7 @@ from configuration_kimi_k3 import KimiK3Config  # noqa: E402
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
-# A 9-layer model with every K3 invariant (architecture.md §6) at toy widths: runs a forward in milliseconds.
+# A 9-layer model with every invariant of the released configuration (KimiK3Config checks them) at toy widths: runs a forward in milliseconds.
 TINY_CONFIG = {
     "vocab_size": 97,
     "hidden_size": 32,

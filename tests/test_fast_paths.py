@@ -3,40 +3,22 @@ for the device in model code.
 
 Kernel-level equalities (sub-chunked `chunk_kda` ≡ `recurrent_kda` ≡ a naive loop) live in tests/test_kda.py; here the
 KDA layer is pinned end to end: its chunked prefill, with the gate lower bound it passes to the kernel, against
-token-by-token decoding through the cache, which runs the plain recurrence. The fused (compiled) SiTU-GLU is pinned
-(`kimi_k3.fused_situ`, attached from outside) to the model's eager `situ_and_mul`, alone and inside the MoE block, and
-falls back to it when compilation fails.
+token-by-token decoding through the cache, which runs the plain recurrence. The fused SiTU-GLU kernels attached from
+outside are pinned to the model's reference in tests/kernels/test_fused_situ.py.
 """
 
 import os
-import subprocess
-import sys
 import traceback
 
-import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers.testing_utils import CaptureLogger
 
 import modeling_kimi_k3
-from kimi_k3 import fused_situ
-from kimi_k3.fused_situ import (
-    CompiledFunction,
-    SHARED_KERNELS,
-    SiTUKernels,
-    fused_situ_and_mul,
-    fused_situ_glu,
-    situ_and_mul_backward,
-    situ_glu,
-    situ_glu_backward,
-    use_fused_situ,
-)
-from kimi_k3.qk_clip import QKClip
-from kimi_k3.quantile_balancing import QuantileBalancingCallback, RouterStatistics
-from modeling_kimi_k3 import KimiK3DeltaAttention, KimiK3SparseMoeBlock, kda_sub_chunk_size, situ_and_mul
-from tests.conftest import ROOT, tiny_config
-from tests.numerics import assert_as_accurate
+from kimi_k3.policies.qk_clip import QKClip
+from kimi_k3.policies.quantile_balancing import QuantileBalancing, RouterStatistics
+from modeling_kimi_k3 import KimiK3DeltaAttention, kda_sub_chunk_size
+from tests.conftest import tiny_config
 
 aten = torch.ops.aten
 
@@ -75,190 +57,6 @@ def test_kda_layer_runs_the_sub_chunked_kernel_with_its_lower_bound(monkeypatch)
     monkeypatch.setattr(modeling_kimi_k3, "kda_intra_chunk_scores", recording_scores)
     layer(torch.randn(1, 70, config.hidden_size))
     assert used == [kda_sub_chunk_size(64, -5.0, torch.float32)] == [16]
-
-
-# ---------------------------------------------------------------------------------------------------------- SiTU-GLU
-def situ_inputs(rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """[gate ‖ up] spanning the regions where the tanh caps bite (|g| ≫ β₁ = 4, |u| ≫ β₂ = 25)."""
-    return (torch.randn(rows, 2 * width, dtype=torch.float64) * 20).to(dtype).requires_grad_()
-
-
-def value_and_grad(function, gate_up: torch.Tensor, linear_beta: float | None, concatenated: bool):
-    out = function(gate_up, 4.0, linear_beta) if concatenated else function(*gate_up.chunk(2, -1), 4.0, linear_beta)
-    (grad,) = torch.autograd.grad(out, gate_up, torch.randn_like(out, generator=torch.Generator().manual_seed(1)))
-    return out, grad
-
-
-@pytest.mark.parametrize("linear_beta", [25.0, None])
-@pytest.mark.parametrize("concatenated", [True, False])
-def test_written_out_backward_equals_autograd_of_the_reference_fp64(linear_beta, concatenated):
-    """`situ_and_mul_backward` / `situ_glu_backward` (the fused path's gradient) ≡ autograd through `situ_and_mul`."""
-    gate_up = situ_inputs(53, 24, torch.float64)
-    grad_output = torch.randn(53, 24, dtype=torch.float64)
-    if concatenated:
-        written_out = situ_glu_backward(gate_up, grad_output, 4.0, linear_beta)
-    else:
-        written_out = torch.cat(situ_and_mul_backward(*gate_up.chunk(2, -1), grad_output, 4.0, linear_beta), dim=-1)
-    (expected,) = torch.autograd.grad(situ_glu(gate_up, 4.0, linear_beta), gate_up, grad_output)
-    torch.testing.assert_close(written_out, expected, rtol=1e-12, atol=1e-12)
-
-
-@pytest.mark.parametrize(
-    ("dtype", "linear_beta", "concatenated"),
-    [(torch.float64, 25.0, True), (torch.float32, None, False), (torch.bfloat16, 25.0, True)],
-)
-def test_fused_situ_equals_the_reference_forward_and_backward(dtype, linear_beta, concatenated):
-    """Compiled SiTU-GLU ≡ eager `situ_and_mul`, values and input gradients, at two odd shapes (dynamic shapes):
-    as close to the float64 reference as the eager one in the same precision is."""
-    fused = fused_situ_glu if concatenated else fused_situ_and_mul
-    reference = situ_glu if concatenated else situ_and_mul
-    for rows, width in [(37, 24), (301, 40)]:
-        gate_up = situ_inputs(rows, width, dtype)
-        out, grad = value_and_grad(fused, gate_up, linear_beta, concatenated)
-        expected_out, expected_grad = value_and_grad(reference, gate_up, linear_beta, concatenated)
-        exact_out, exact_grad = value_and_grad(reference, gate_up.detach().double().requires_grad_(), linear_beta,
-                                               concatenated)
-        assert out.dtype == dtype and grad.shape == gate_up.shape
-        assert_as_accurate(out, expected_out, exact_out, what="output")
-        assert_as_accurate(grad, expected_grad, exact_grad, what="gradient")
-    used = SHARED_KERNELS.all()[:2] if concatenated else SHARED_KERNELS.all()[2:]  # forward, backward
-    assert all(kernel.compiled is not None and not kernel.failed for kernel in used)  # really the compiled kernels
-
-
-class Spy:
-    """Counts calls of a module-level function of kimi_k3.fused_situ and delegates to it."""
-
-    def __init__(self, monkeypatch, name: str):
-        self.function, self.calls = getattr(fused_situ, name), 0
-        monkeypatch.setattr(fused_situ, name, self)
-
-    def __call__(self, *args):
-        self.calls += 1
-        return self.function(*args)
-
-
-def tiny_moe_block(fused: bool = False, min_elements: int = fused_situ.FUSED_MIN_ELEMENTS) -> KimiK3SparseMoeBlock:
-    """A training-mode MoE block of the tiny config with N(0, 0.3) weights (a bare module's are uninitialised)."""
-    torch.manual_seed(0)
-    config = tiny_config()
-    config._experts_implementation = "grouped_mm"  # what a model sets up; a bare block would run the eager loop
-    block = KimiK3SparseMoeBlock(config).train()
-    for parameter in block.parameters():
-        torch.nn.init.normal_(parameter, std=0.3)
-    if fused:
-        assert use_fused_situ(block, min_elements=min_elements) == 3  # routed experts (and their glu), shared experts
-    return block
-
-
-def moe_block_outputs(fused: bool, hidden: torch.Tensor, dtype: torch.dtype = torch.float32):
-    block = tiny_moe_block(fused, min_elements=64).to(dtype)
-    if dtype == torch.float64:
-        block.experts.config._experts_implementation = "eager"  # grouped_mm kernels have no fp64 path
-    hidden = hidden.clone().requires_grad_()
-    out = block(hidden)
-    out.backward(torch.ones_like(out))
-    return out, hidden.grad, {name: p.grad for name, p in block.named_parameters() if p.grad is not None}
-
-
-def test_moe_block_trains_through_the_fused_situ_and_matches_the_eager_block(monkeypatch):
-    """Routed experts (concatenated gate/up) and shared experts (separate) both take the fused kernel."""
-    concatenated, separate = Spy(monkeypatch, "fused_situ_glu"), Spy(monkeypatch, "fused_situ_and_mul")
-    hidden = torch.randn(2, 45, tiny_config().hidden_size)
-    out, hidden_grad, grads = moe_block_outputs(True, hidden)
-    assert concatenated.calls == 1 and separate.calls == 1
-    assert not any(kernel.failed for kernel in SHARED_KERNELS.all())
-    expected_out, expected_hidden_grad, expected_grads = moe_block_outputs(False, hidden)
-    assert concatenated.calls == 1 and separate.calls == 1
-    exact_out, exact_hidden_grad, exact_grads = moe_block_outputs(False, hidden.double(), torch.float64)
-    assert_as_accurate(out, expected_out, exact_out, what="output")
-    assert_as_accurate(hidden_grad, expected_hidden_grad, exact_hidden_grad, what="input gradient")
-    assert grads.keys() == expected_grads.keys()
-    for name in grads:
-        assert_as_accurate(grads[name], expected_grads[name], exact_grads[name], what=name)
-
-
-def test_fused_situ_is_not_used_for_inference_small_activations_or_when_switched_off(monkeypatch):
-    spies = Spy(monkeypatch, "fused_situ_glu"), Spy(monkeypatch, "fused_situ_and_mul")
-    block = tiny_moe_block(fused=True)
-    block(torch.randn(1, 9, tiny_config().hidden_size)).sum().backward()  # below FUSED_MIN_ELEMENTS
-    use_fused_situ(block, min_elements=1)
-    with torch.no_grad():
-        block(torch.randn(1, 9, tiny_config().hidden_size))
-    assert [spy.calls for spy in spies] == [0, 0]
-    assert use_fused_situ(block, enabled=False) == 3  # back to the model's own reference
-    block(torch.randn(1, 9, tiny_config().hidden_size)).sum().backward()
-    assert [spy.calls for spy in spies] == [0, 0]
-
-
-def missing_cxx_compiler():
-    """Inductor pointed at a C++ compiler that does not exist. torch's own config patch, not monkeypatch: pytest 9.2's
-    undo deletes attributes it did not find in the instance dict, which removes the config entry altogether."""
-    return torch._inductor.config.patch({"cpp.cxx": ("/nonexistent/c++",)})
-
-
-@missing_cxx_compiler()
-def test_failed_compilation_falls_back_to_the_reference_with_one_warning():
-    """A broken toolchain (here: inductor pointed at a C++ compiler that does not exist) costs speed, not results."""
-
-    def situ_with_fresh_graph(gate, up, beta, linear_beta):  # a new code object: nothing cached to reuse
-        return situ_and_mul(gate, up, beta, linear_beta)
-
-    fused = CompiledFunction(situ_with_fresh_graph)
-    gate_up = situ_inputs(16, 8, torch.float32)
-    with CaptureLogger(fused_situ.logger) as captured:
-        first, first_grad = value_and_grad(fused, gate_up, 25.0, concatenated=False)
-        second, _ = value_and_grad(fused, gate_up, 25.0, concatenated=False)
-    expected, expected_grad = value_and_grad(situ_and_mul, gate_up, 25.0, concatenated=False)
-    assert fused.failed and captured.out.count("torch.compile of `situ_with_fresh_graph` failed") == 1
-    assert torch.equal(first, expected) and torch.equal(second, expected) and torch.equal(first_grad, expected_grad)
-
-
-def test_a_backward_kernel_that_fails_to_compile_falls_back_too():
-    """The forward kernel compiles, the backward's compilation fails: training still gets the reference gradient."""
-
-    def backward_with_fresh_graph(gate_up, grad_output, beta, linear_beta):
-        return situ_glu_backward(gate_up, grad_output, beta, linear_beta)
-
-    kernels = SiTUKernels(glu=SHARED_KERNELS.glu, glu_backward=CompiledFunction(backward_with_fresh_graph))
-    gate_up = situ_inputs(16, 8, torch.float32)
-    fused_situ_glu(gate_up, 4.0, 25.0, kernels)  # forward kernel compiled with the working toolchain
-
-    def fused(gate_up, beta, linear_beta):
-        return fused_situ_glu(gate_up, beta, linear_beta, kernels)
-
-    with CaptureLogger(fused_situ.logger) as captured, missing_cxx_compiler():
-        out, grad = value_and_grad(fused, gate_up, 25.0, concatenated=True)
-    expected_out, expected_grad = value_and_grad(situ_glu, gate_up, 25.0, concatenated=True)
-    exact_out, exact_grad = value_and_grad(situ_glu, gate_up.detach().double().requires_grad_(), 25.0, True)
-    assert kernels.glu_backward.failed and not kernels.glu.failed and not SHARED_KERNELS.glu_backward.failed
-    assert captured.out.count("torch.compile of `backward_with_fresh_graph` failed") == 1
-    assert_as_accurate(out, expected_out, exact_out, what="output")
-    assert_as_accurate(grad, expected_grad, exact_grad, what="gradient")
-
-
-ISA_CHECK = """
-import torch
-from kimi_k3.fused_situ import SHARED_KERNELS, situ_glu
-gate_up = torch.randn(512, 128, generator=torch.Generator().manual_seed(0))
-exact = situ_glu(gate_up.double(), 4.0, 25.0)
-error = (SHARED_KERNELS.glu(gate_up, 4.0, 25.0).double() - exact).abs().max().item()
-reference_error = (situ_glu(gate_up, 4.0, 25.0).double() - exact).abs().max().item()
-bound = 4 * reference_error + 8 * torch.finfo(torch.float32).eps * exact.abs().max().item()
-assert not SHARED_KERNELS.glu.failed and error <= bound, (error, bound)
-"""
-
-
-def test_kernels_compiled_under_a_restricted_cpu_capability_do_not_leak_through_inductors_cache(tmp_path):
-    """Emulating an AVX2 CPU (``ATEN_CPU_CAPABILITY=avx2``) and training normally on one machine share inductor's
-    cache; its key omits the restriction, so without care the second process runs the first one's kernel: wrong
-    values and out-of-bounds writes (seen with torch 2.13 on an AVX-512 CPU)."""
-    environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT),
-                   "OMP_NUM_THREADS": "2"}  # the wrong kernels showed in the multi-threaded loop
-    environment.pop("ATEN_CPU_CAPABILITY", None)
-    for restricted in ({"ATEN_CPU_CAPABILITY": "avx2"}, {}, {"ATEN_CPU_CAPABILITY": "avx2"}):
-        result = subprocess.run([sys.executable, "-c", ISA_CHECK], env={**environment, **restricted},
-                                capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, (restricted, result.stderr[-2000:])
 
 
 # ------------------------------------------------------------------------------------------------ host synchronisation
@@ -304,11 +102,12 @@ def training_step_syncs(model) -> list[str]:
 def test_training_step_never_waits_for_the_device_in_model_code():
     """Padding, QB statistics, QK-Clip recording, both attention types, experts and loss: no host-synchronising op."""
     model = modeling_kimi_k3.KimiK3ForCausalLM(tiny_config()).train()
-    balancing, clip = QuantileBalancingCallback(model), QKClip(model, tau=100.0)
+    balancing, clip = QuantileBalancing(model), QKClip(model, tau=100.0)
+    balancing.attach(), clip.attach()
     assert training_step_syncs(model) == []
-    statistics = balancing.statistics(model).values()
+    statistics = balancing.statistics.values()
     assert all(stats.tokens_per_expert.sum() == 35 * stats.router.top_k for stats in statistics)  # valid tokens only
-    assert all(torch.isfinite(recorder.maximum).all() for recorder in clip.recorders)
+    assert all(torch.isfinite(recorder.maximum).all() for _, recorder in clip.recorders.values())
 
 
 def test_the_sync_recorder_catches_boolean_mask_indexing(monkeypatch):
@@ -320,6 +119,6 @@ def test_the_sync_recorder_catches_boolean_mask_indexing(monkeypatch):
 
     monkeypatch.setattr(RouterStatistics, "_add", add_with_boolean_mask)
     model = modeling_kimi_k3.KimiK3ForCausalLM(tiny_config()).train()
-    QuantileBalancingCallback(model)
+    QuantileBalancing(model).attach()
     syncs = training_step_syncs(model)
     assert any("aten.index" in sync for sync in syncs) and any("bincount" in sync for sync in syncs)

@@ -7,8 +7,9 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import StaticCache
 
-from kimi_k3.muon import PerHeadMuon
-from kimi_k3.quantile_balancing import QuantileBalancingCallback, find_routers
+from kimi_k3.optim.muon import PerHeadMuon
+from kimi_k3.attachments.seams import find_routers
+from kimi_k3.policies.quantile_balancing import QuantileBalancing, QuantileBalancingCallback
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from tests.conftest import tiny_config
 from tests.numerics import assert_as_accurate, float64_copy
@@ -118,11 +119,12 @@ def test_router_bias_survives_a_lora_adapter_round_trip_when_the_routers_are_sav
         QuantileBalancingCallback(get_peft_model(copy.deepcopy(model), LoraConfig(target_modules=["q_proj"], r=2)))
     config = LoraConfig(target_modules=["q_proj"], r=2, modules_to_save=["gate"])
     tuned = get_peft_model(KimiK3ForCausalLM.from_pretrained(tmp_path / "base"), config)
-    callback = QuantileBalancingCallback(tuned)
+    balancing = QuantileBalancing(tuned)
+    balancing.attach()
     before = find_routers(tuned)["layer_1"].e_score_correction_bias.clone()
     tuned.train()
     tuned(ids, labels=ids).loss.backward()
-    callback.update(tuned)
+    balancing.update()
     assert not torch.equal(find_routers(tuned)["layer_1"].e_score_correction_bias, before)  # QB moved the bias
     tuned.save_pretrained(tmp_path / "adapter")
     reloaded = PeftModel.from_pretrained(KimiK3ForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter")

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention kernels: chunked form ≡ recurrent form ≡ a naive loop written from architecture.md §2.3."""
+"""Kimi Delta Attention kernels: chunked form ≡ recurrent form ≡ a naive loop written from the Kimi Linear paper's recurrence (arXiv:2510.26692)."""
 
 from functools import partial
 
@@ -17,7 +17,7 @@ from tests.numerics import assert_as_accurate
 
 
 def naive_kda(q, k, v, g, beta, initial_state=None):
-    """architecture.md §2.3 step 6, one head and one token at a time with explicit matrices."""
+    """The delta-rule recurrence, one head and one token at a time with explicit matrices."""
     batch, seq_len, heads, k_dim = k.shape
     v_dim = v.shape[-1]
     out = torch.zeros(batch, seq_len, heads, v_dim, dtype=q.dtype)
@@ -133,7 +133,7 @@ def test_sub_chunk_size_keeps_the_bridge_exponent_finite():
 @pytest.mark.parametrize("sub_chunk_size", [1, 2, 4, 8, 16, 32])
 @pytest.mark.parametrize("decay", ["random", "strongest"])
 def test_intra_chunk_scores_equal_the_exponent_of_a_difference_fp64(sub_chunk_size, decay):
-    """Sub-chunk matmuls ≡ Σ_c x_r k_s e^{γ_r−γ_s} with the masked [C, C, D] decay (architecture.md §2.3 step 7)."""
+    """Sub-chunk matmuls ≡ Σ_c x_r k_s e^{γ_r−γ_s} with the masked [C, C, D] decay."""
     q, k, _, g, _ = random_inputs(2, 32, 3, 8, 1, seed=sub_chunk_size)
     if decay == "strongest":
         g = torch.full_like(g, -4.99)  # γ reaches −160 in the chunk: e^{+160} would overflow fp32
@@ -190,7 +190,7 @@ def test_sub_chunked_kda_gradients_match_recurrence_fp64(lower_bound):
 
 
 def test_kda_kernels_ignore_bf16_autocast():
-    """The state recurrence stays fp32 under autocast (architecture.md §2.3 step 6): results are bit-identical."""
+    """The state recurrence stays fp32 under autocast: results are bit-identical."""
     q, k, v, g, beta = random_inputs(1, 70, 2, 8, 8, dtype=torch.float32, seed=4)
     chunked, chunked_state = chunk_kda(q, k, v, g, beta, gate_lower_bound=-5.0)
     recurrent, recurrent_state = recurrent_kda(q, k, v, g, beta)

@@ -1,4 +1,4 @@
-"""The K3 block stack against naive implementations written from architecture.md §2 and training.md §3-5."""
+"""The K3 block stack against naive implementations written from the K3 report (§2) and its papers."""
 
 import math
 
@@ -15,8 +15,7 @@ from modeling_kimi_k3 import (
     block_attention_residual,
     situ_and_mul,
 )
-from kimi_k3.qk_clip import QKClip
-from kimi_k3.quantile_balancing import QuantileBalancingCallback
+from kimi_k3.policies.quantile_balancing import QuantileBalancing
 from tests.conftest import tiny_config
 from tests.numerics import assert_as_accurate, float64_copy
 
@@ -36,7 +35,7 @@ def build(config=None, dtype=torch.float64, **overrides):
     return model
 
 
-# ------------------------------------------------------------------------------------------------- SiTU (training §5.4)
+# ---------------------------------------------------------------------------------------- SiTU (K3 report Eq. 12)
 def test_situ_matches_formula_fp64():
     g, u = torch.randn(1000, dtype=torch.float64) * 6, torch.randn(1000, dtype=torch.float64) * 60
     expected = 4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(u / 25)
@@ -80,7 +79,7 @@ def test_situ_config_plumbing():
     assert len(glus) == 1 + 8 * 2 and all(m.act_fn is None and (m.beta, m.linear_beta) == (4.0, 25.0) for m in glus)
 
 
-# ----------------------------------------------------------------------------------------- Gated MLA (arch §2.4)
+# ------------------------------------------------------------------------------------ Gated MLA (K3 report Eq. 7)
 def causal_mask(seq_len, dtype=torch.float64):
     blocked = torch.ones(seq_len, seq_len, dtype=torch.bool).triu(1)
     return torch.zeros(1, 1, seq_len, seq_len, dtype=dtype).masked_fill(blocked, float("-inf"))
@@ -166,24 +165,7 @@ def test_mla_attention_output_reaches_the_gate_in_fp32_under_bf16_autocast(imple
     assert not torch.equal(gated_inputs[0], gated_inputs[0].bfloat16().float())
 
 
-def test_qk_clip_records_per_head_logit_max_only_in_training():
-    model = build()
-    recorders = QKClip(model, tau=float("inf")).recorders
-    attn = model.model.layers[3].self_attn
-    recorder = recorders[model.config.mla_layer_indices.index(3)]
-    x = torch.randn(2, 7, model.config.hidden_size, dtype=torch.float64)
-    attn(x, attention_mask=causal_mask(7))
-    assert torch.isinf(recorder.maximum).all()
-    attn.train()
-    attn(x, attention_mask=causal_mask(7))
-    q = attn.project_queries(x)
-    keys, _ = attn.expand_key_values(*attn.compress_key_values(x))
-    logits = (q @ keys.transpose(2, 3)) * attn.scaling
-    logits = logits.masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
-    torch.testing.assert_close(recorder.maximum, logits.amax(dim=(0, 2, 3)))
-
-
-# ----------------------------------------------------------------------------------- Block AttnRes (arch §2.2)
+# ------------------------------------------------------------------ Block AttnRes (Attention Residuals, arXiv:2603.15031)
 def naive_attn_res(partial, blocks, proj_weight, norm_weight, eps):
     candidates = blocks + [partial]
     scores = []
@@ -207,7 +189,7 @@ def test_attn_res_matches_naive_softmax_mix():
 
 
 def naive_model_forward(model, input_ids, record):
-    """§2.1-2.2 written out: snapshots at ℓ mod block == 0, partial sums, both AttnRes sites, final output mix."""
+    """Block AttnRes written out: snapshots at ℓ mod block == 0, partial sums, both AttnRes sites, final output mix."""
     inner, cfg = model.model, model.config
     partial, bank = inner.embed_tokens(input_ids), []
     for idx, layer in enumerate(inner.layers):
@@ -263,7 +245,7 @@ def test_disabled_attn_res_is_a_plain_pre_norm_stack():
     torch.testing.assert_close(model(ids).logits, model.lm_head(model.model.norm(h)), rtol=1e-12, atol=1e-12)
 
 
-# ------------------------------------------------------------------------------- Router and experts (arch §2.6)
+# --------------------------------------------------------------------------- Router and experts (K3 report §2.3)
 def naive_latent_moe(block: KimiK3SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
     tokens = x.reshape(-1, x.shape[-1])
     gate = block.gate
@@ -329,7 +311,9 @@ def test_router_weights_ignore_the_bias_which_gets_no_gradient():
 
 def test_router_routes_top_k_of_biased_scores_and_weighs_unbiased_ones_in_training():
     model = build(dtype=torch.float32)
-    statistics = QuantileBalancingCallback(model).statistics(model)["layer_1"]
+    balancing = QuantileBalancing(model)
+    balancing.attach()
+    statistics = balancing.statistics["layer_1"]
     gate = model.model.layers[1].block_sparse_moe.gate.train()
     tokens = torch.randn(40, 32)
     _, weights, indices = gate(tokens)
@@ -382,7 +366,7 @@ def test_save_pretrained_round_trip_is_bit_exact_with_released_key_names(tmp_pat
 
 
 def released_text_keys(config):
-    """The released text key set of architecture.md §3.1, with experts unpacked and A_log of length num_heads."""
+    """The released text key set (the release's index), with experts unpacked and A_log of length num_heads."""
     keys = ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"]
     keys += ["model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight"]
     kda = ["q_proj", "k_proj", "v_proj", "g_proj", "o_proj", "f_a_proj", "f_b_proj", "b_proj", "q_conv1d", "k_conv1d",
@@ -453,7 +437,9 @@ def test_bf16_load_keeps_precision_critical_tensors_in_fp32(tmp_path):
 @pytest.mark.parametrize("use_reentrant,router_runs", [(False, 2), (True, 1)])
 def test_activation_checkpointing_gives_the_same_gradients(use_reentrant, router_runs):
     model = build(dtype=torch.float32).train()
-    statistics = QuantileBalancingCallback(model).statistics(model)["layer_1"]
+    balancing = QuantileBalancing(model)
+    balancing.attach()
+    statistics = balancing.statistics["layer_1"]
     ids = torch.randint(0, 97, (2, 16))
     model(ids, labels=ids).loss.backward()
     plain = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -10,9 +10,10 @@ import torch.nn.functional as F
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, DynamicCache
 
-from kimi_k3.qk_clip import QKClip
-from kimi_k3.quantile_balancing import QuantileBalancingCallback, find_routers
-from kimi_k3.tokenizer import train_bpe_tokenizer
+from kimi_k3.policies.qk_clip import QKClip
+from kimi_k3.attachments.seams import find_routers
+from kimi_k3.policies.quantile_balancing import QuantileBalancing
+from kimi_k3.text.tokenizer import train_bpe_tokenizer
 from modeling_kimi_k3 import CACHE_FIELD, KimiK3ForCausalLM, KimiK3ShortConvolution, positions_in_documents, upcast
 from tests.conftest import TINY_CONFIG, tiny_config
 from tests.numerics import assert_as_accurate, perturb_parameters
@@ -271,18 +272,19 @@ def test_quantile_balancing_and_qk_clip_record_a_packed_row_as_its_documents_one
     model = in_float64(build("hybrid"))  # in fp32, a near tie could route one token two ways in the two runs
     for router in find_routers(model).values():
         router.e_score_correction_bias = router.e_score_correction_bias.float()
-    balancing, clip = QuantileBalancingCallback(model), QKClip(model, tau=100.0)
+    balancing, clip = QuantileBalancing(model), QKClip(model, tau=100.0)
+    balancing.attach(), clip.attach()
 
     def recorded(rows):
-        for stats in balancing.statistics(model).values():
+        for stats in balancing.statistics.values():
             stats.reset()
-        for recorder in clip.recorders:
+        for _, recorder in clip.recorders.values():
             recorder.maximum.fill_(-torch.inf)
         for row in rows:
             model(**{key: value[None] for key, value in packed_row(row).items()})
-        counts = torch.stack([stats.tokens_per_expert for stats in balancing.statistics(model).values()])
-        histograms = torch.stack([stats.histogram for stats in balancing.statistics(model).values()])
-        return counts, histograms, torch.stack([recorder.maximum for recorder in clip.recorders])
+        counts = torch.stack([stats.tokens_per_expert for stats in balancing.statistics.values()])
+        histograms = torch.stack([stats.histogram for stats in balancing.statistics.values()])
+        return counts, histograms, torch.stack([recorder.maximum for _, recorder in clip.recorders.values()])
 
     packed, alone = recorded([documents]), recorded([[document] for document in documents])
     assert packed[0].sum() == sum(len(d) for d in documents) * model.config.num_experts_per_token * len(packed[0])
@@ -293,7 +295,7 @@ def test_quantile_balancing_and_qk_clip_record_a_packed_row_as_its_documents_one
 def test_a_packed_training_step_never_waits_for_the_device_in_model_code():
     """position_ids and seq_idx (cu_seq_lens are range-checked on CPU only, by design, as input ids are)."""
     model = build("hybrid")
-    QuantileBalancingCallback(model), QKClip(model, tau=100.0)
+    QuantileBalancing(model).attach(), QKClip(model, tau=100.0).attach()
     batch = collated(documents_of([6, 1, 9, 4]), return_seq_idx=True)
     embeds = model.get_input_embeddings()(batch.pop("input_ids")).detach()
     with HostSyncRecorder() as recorder:

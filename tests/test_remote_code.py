@@ -12,10 +12,10 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 import modeling_kimi_k3
-from kimi_k3.release_format import export_released
+from kimi_k3.checkpoint.release_format import export_released
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from tests.conftest import tiny_config
-from tests.test_release_format import MXFP4_SHAPES, mxfp4_representable_
+from tests.checkpoint.test_release_format import MXFP4_SHAPES, mxfp4_representable_
 
 LOAD_IN_FRESH_PROCESS = textwrap.dedent(
     """

@@ -11,7 +11,7 @@ from transformers.distributed import DistributedConfig
 from transformers.integrations.tensor_parallel import replace_layer_number_by_wildcard
 
 from configuration_kimi_k3 import KimiK3Config
-from kimi_k3.parallel_verify import fake_process_group
+from kimi_k3.planning.verify import fake_process_group
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from tests.conftest import tiny_config, torchrun
 from tests.numerics import assert_as_accurate, perturb_parameters

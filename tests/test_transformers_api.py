@@ -24,7 +24,7 @@ import modeling_kimi_k3
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROJECT_FILES = [
     *sorted(ROOT.glob("*_kimi_k3.py")),  # the model files shipped with every checkpoint
-    *sorted((ROOT / "kimi_k3").glob("*.py")),
+    *sorted((ROOT / "kimi_k3").rglob("*.py")),
     *sorted((ROOT / "scripts").glob("*.py")),
     *sorted((ROOT / "tests" / "dist_scripts").glob("*.py")),
 ]
@@ -149,7 +149,7 @@ BORROWED_API = [
     # under tensor parallelism) with it, and only torch's own method says which indices each rank then holds.
     BorrowedApi(
         "torch.distributed.tensor.placement_types._StridedShard / _StridedShardOffsetMode.ALL",
-        "kimi_k3.shard_layout finds the rows every rank holds, so that Per-Head Muon orthogonalises whole experts "
+        "kimi_k3.parallel.shard_layout finds the rows every rank holds, so that Per-Head Muon orthogonalises whole experts "
         "where they lie",
         lambda: hasattr(importlib.import_module("torch.distributed.tensor.placement_types")._StridedShardOffsetMode,
                         "ALL")
@@ -163,11 +163,11 @@ BORROWED_API = [
                 lambda: hasattr(importlib.import_module("torch.distributed.tensor").DTensor, "__create_chunk_list__")),
     # torch's CPU instruction-set queries: no public API says whether bf16 matmuls are native.
     BorrowedApi("torch.cpu._is_avx512_bf16_supported / torch.cpu._is_amx_tile_supported",
-                "bf16 Newton–Schulz only on CPUs with native bf16 (kimi_k3.precision); a missing query means fp32",
+                "bf16 Newton–Schulz only on CPUs with native bf16 (kimi_k3.optim.precision); a missing query means fp32",
                 lambda: hasattr(torch.cpu, "_is_avx512_bf16_supported") and hasattr(torch.cpu, "_is_amx_tile_supported")),
     # inductor's cache switch: its key omits ATEN_CPU_CAPABILITY, so a restricted process must keep out of the cache.
     BorrowedApi("torch._inductor.config.patch(fx_graph_cache=False)",
-                "kimi_k3.fused_situ.isa_safe_compile_caches: kernels compiled under ATEN_CPU_CAPABILITY=avx2 never "
+                "kimi_k3.kernels.compiled.isa_safe_compile_caches: kernels compiled under ATEN_CPU_CAPABILITY=avx2 never "
                 "reach (or come from) an unrestricted process's cache",
                 lambda: hasattr(importlib.import_module("torch._inductor.config"), "fx_graph_cache")),
 ]

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from kimi_k3.quantile_balancing import QuantileBalancingCallback
+from kimi_k3.policies.quantile_balancing import QuantileBalancing
 from modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3TopkRouter
 from tests.conftest import tiny_config
 from tests.numerics import assert_as_accurate
@@ -125,7 +125,7 @@ def test_shared_basis_experts_backends_match_the_per_expert_loop(implementation)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Quantile-normalized routing (the CDF refit and its balancing are in tests/test_score_quantiles.py)
+# Quantile-normalized routing (the CDF refit and its balancing are in tests/policies/test_score_quantiles.py)
 # ---------------------------------------------------------------------------------------------------------------------
 def test_quantile_normalization_matches_the_counting_reference_with_ties_and_end_scores():
     generator = torch.Generator().manual_seed(0)
@@ -182,7 +182,9 @@ def test_gradients_reach_the_zero_initialised_routing_weights_but_not_the_router
 
 def test_balancing_statistics_count_the_moe_tokens_only_with_attention_gates():
     model = variant_model(attention_gate_routing=True).train()
-    statistics = QuantileBalancingCallback(model).statistics(model)["layer_3"]  # an MLA layer
+    balancing = QuantileBalancing(model)
+    balancing.attach()
+    statistics = balancing.statistics["layer_3"]  # an MLA layer
     ids = torch.randint(3, 97, (2, 10))
     model(ids)
     assert statistics.tokens_per_expert.sum() == 2 * 10 * model.config.num_experts_per_token
@@ -218,7 +220,7 @@ def test_experts_come_from_the_chosen_groups_only_and_weigh_the_renormalized_sco
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Dynamic k (the mean count under Quantile Balancing is in tests/test_quantile_balancing.py)
+# Dynamic k (the mean count under Quantile Balancing is in tests/policies/test_quantile_balancing.py)
 # ---------------------------------------------------------------------------------------------------------------------
 def test_dynamic_routes_take_every_expert_above_zero_within_the_bounds():
     router = KimiK3DynamicTopkRouter(tiny_config(**VARIANTS["dynamic_k"]))

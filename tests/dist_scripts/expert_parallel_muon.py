@@ -3,8 +3,8 @@
 Launched as ``torchrun --nproc_per_node 4 tests/dist_scripts/expert_parallel_muon.py WORK`` (repository root on
 PYTHONPATH) with ``WORK/initial`` a saved tiny model: every rank loads it with
 ``DistributedConfig(fsdp_size=4, ep_size=2)`` (the experts on a 2 x 2 mesh, 2 of the 8 per rank; everything else
-FSDP2-sharded over the 4 ranks) and trains ``STEPS`` steps through ``KimiK3Trainer``. Around every optimizer step a
-callback records, before it, every parameter and gradient whole (for the single-process replay in the test) and, inside
+FSDP2-sharded over the 4 ranks) and trains ``STEPS`` steps through ``KimiK3Trainer``. Around every Per-Head Muon step
+a callback records, before it, every parameter and gradient whole (for the single-process replay in the test) and, inside
 it, this rank's matmul FLOPs, the bytes its collectives receive and the bytes of the largest tensor any operation
 creates on this rank (local shards of DTensors). Rank 0 writes everything to ``WORK/expert_parallel_muon.pt``.
 """
@@ -19,11 +19,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import TrainerCallback, TrainingArguments, default_data_collator
 
-from kimi_k3.distributed import sharded_loading_config
-from kimi_k3.muon import PerHeadMuonFactory
-from kimi_k3.parallel_verify import CollectivePayload
-from kimi_k3.quantile_balancing import QuantileBalancingCallback
-from kimi_k3.train import KimiK3Trainer
+from kimi_k3.attachments.handle import unwrapped_optimizer
+from kimi_k3.parallel.sharding import sharded_loading_config
+from kimi_k3.optim.muon import PerHeadMuonFactory
+from kimi_k3.planning.verify import CollectivePayload
+from kimi_k3.policies.quantile_balancing import QuantileBalancingCallback
+from kimi_k3.job.trainer import KimiK3Trainer
 from modeling_kimi_k3 import KimiK3ForCausalLM
 
 WORLD_SIZE, EXPERT_PARALLEL = 4, 2
@@ -54,11 +55,20 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class OptimizerStepRecorder(TrainerCallback):
+    """Records around Per-Head Muon's own update: through the optimizer's step hooks, registered before those of
+    the policies (listed after this callback), which update inside ``optimizer.step()`` too and whose collectives
+    are not Newton–Schulz traffic."""
+
     def __init__(self):
         self.steps = []
         self._modes = None
 
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        inner = unwrapped_optimizer(optimizer)
+        inner.register_step_pre_hook(lambda stepped, hook_args, hook_kwargs: self._before_step(model))
+        inner.register_step_post_hook(lambda stepped, hook_args, hook_kwargs: self._after_step(model))
+
+    def _before_step(self, model):
         self.steps.append({
             "params": {name: whole(p) for name, p in model.named_parameters()},
             "grads": {name: whole(p.grad) for name, p in model.named_parameters() if p.grad is not None},
@@ -67,7 +77,7 @@ class OptimizerStepRecorder(TrainerCallback):
         for mode in self._modes:
             mode.__enter__()
 
-    def on_optimizer_step(self, args, state, control, model=None, **kwargs):
+    def _after_step(self, model):
         for mode in reversed(self._modes):
             mode.__exit__(None, None, None)
         flops, collectives, largest = self._modes
@@ -95,7 +105,7 @@ def main(work: Path) -> None:
     trainer = KimiK3Trainer(
         model=model, args=args, train_dataset=[{"input_ids": row, "labels": row} for row in tokens],
         data_collator=default_data_collator, optimizer_cls_and_kwargs=(factory, optimizer_kwargs),
-        callbacks=[QuantileBalancingCallback(model, per_layer_metrics=False), recorder],
+        callbacks=[recorder, QuantileBalancingCallback(model, per_layer_metrics=False)],
     )
     trainer.train()
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)

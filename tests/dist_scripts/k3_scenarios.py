@@ -21,17 +21,23 @@ import torch.distributed as dist
 from transformers import TrainerCallback, TrainingArguments, default_data_collator
 
 from configuration_kimi_k3 import KimiK3Config
-from kimi_k3.distributed import (
+from kimi_k3.parallel.sharding import (
     full_state_dict,
     load_full_state_dict,
     save_pretrained_full,
     shard_decoder_layers,
     sharded_loading_config,
 )
-from kimi_k3.muon import PerHeadMuon, PerHeadMuonFactory
-from kimi_k3.qat import attach_qat
-from kimi_k3.quantile_balancing import QuantileBalancingCallback, all_reduce_sum, find_routers
-from kimi_k3.train import KimiK3Trainer
+from kimi_k3.attachments.seams import find_routers
+from kimi_k3.job.trainer import KimiK3Trainer
+from kimi_k3.optim.muon import PerHeadMuon, PerHeadMuonFactory
+from kimi_k3.policies.qk_clip import QKClip, QKClipCallback
+from kimi_k3.policies.quantile_balancing import (
+    QuantileBalancing,
+    QuantileBalancingCallback,
+    all_reduce_sum,
+)
+from kimi_k3.quantization.qat import attach_qat
 from modeling_kimi_k3 import KimiK3ForCausalLM
 
 WORLD_SIZE = 2
@@ -97,17 +103,16 @@ def assert_replicated(tensor: torch.Tensor, what: str) -> None:
 # Trainer (DDP when launched on several processes)
 # ---------------------------------------------------------------------------------------------------------------------
 class StepRecorder(TrainerCallback):
-    """Losses, gradient norms, this rank's max MLA logits and the router biases of every optimizer step; checks that
-    every rank ends the step with the same bias.
+    """Losses, gradient norms, this rank's max MLA logits (read from ``clipping``'s policy before the step clips) and
+    the router biases of every optimizer step, which Quantile Balancing solved in the optimizer's step hook; checks
+    that every rank ends the step with the same bias."""
 
-    Registered after :class:`QuantileBalancingCallback`, so ``on_step_end`` sees the bias the step solved.
-    """
-
-    def __init__(self):
+    def __init__(self, clipping: QKClipCallback):
+        self.clipping = clipping
         self.losses, self.grad_norms, self.logit_maxima, self.biases = [], [], [], []
 
-    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        recorders = getattr(optimizer, "optimizer", optimizer).qk_clip.recorders  # inside accelerate's wrapper
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        recorders = [recorder for _, recorder in self.clipping.policy.recorders.values()]
         self.logit_maxima.append(torch.stack([recorder.maximum for recorder in recorders]).clone())
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
@@ -160,16 +165,15 @@ def train_with_trainer(
         # Layer 0's self-attention AttnRes projection and norm have no earlier block to weigh: never in the graph.
         ddp_find_unused_parameters=True,
     )
-    recorder = StepRecorder()
+    clipping = QKClipCallback(QK_CLIP_TAU)
+    recorder = StepRecorder(clipping)
     trainer = KimiK3Trainer(
         model=model,
         args=args,
         train_dataset=[{"input_ids": row, "labels": row} for row in sequences],
         data_collator=default_data_collator,
-        optimizer_cls_and_kwargs=(
-            PerHeadMuonFactory, {"lr": LEARNING_RATE, "weight_decay": 0.1, "qk_clip_tau": QK_CLIP_TAU}
-        ),
-        callbacks=[QuantileBalancingCallback(model, per_layer_metrics=False), recorder],
+        optimizer_cls_and_kwargs=(PerHeadMuonFactory, {"lr": LEARNING_RATE, "weight_decay": 0.1}),
+        callbacks=[clipping, QuantileBalancingCallback(model, per_layer_metrics=False), recorder],
     )
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     return {
@@ -206,12 +210,14 @@ def train_sharded_at_load_time(config, work: Path, expert_parallel_size: int = 1
 # Raw loop (FSDP2 when the model is sharded)
 # ---------------------------------------------------------------------------------------------------------------------
 def train_raw(model, optimizer, steps: list[list[torch.Tensor]]) -> dict:
-    """One optimizer step and one Quantile Balancing update per entry of ``steps`` (this process's micro-batches).
+    """One optimizer step, with QK-Clip and Quantile Balancing from its step hooks, per entry of ``steps`` (this
+    process's micro-batches).
 
     Each micro-batch loss is a mean over its tokens divided by the number of micro-batches, the division by the
     number of ranks being FSDP's gradient average: the gradient of the global-batch mean either way.
     """
-    balancing = QuantileBalancingCallback(model)
+    QKClip(model, QK_CLIP_TAU).attach(optimizer)
+    QuantileBalancing(model).attach(optimizer)
     losses, biases = [], []
     for batches in steps:
         loss = torch.zeros(())
@@ -221,7 +227,6 @@ def train_raw(model, optimizer, steps: list[list[torch.Tensor]]) -> dict:
             loss += micro_loss.detach()
         optimizer.step()
         optimizer.zero_grad()
-        balancing.update(model)
         if dist.is_initialized():
             dist.all_reduce(loss)
             loss /= dist.get_world_size()
@@ -233,7 +238,7 @@ def train_raw(model, optimizer, steps: list[list[torch.Tensor]]) -> dict:
 
 def train_single_process_raw(config, model=None) -> dict:
     model = build_model(config) if model is None else model
-    optimizer = PerHeadMuon.for_model(model, lr=LEARNING_RATE, qk_clip_tau=QK_CLIP_TAU)
+    optimizer = PerHeadMuon.for_model(model, lr=LEARNING_RATE)
     result = train_raw(model, optimizer, micro_batches(config))
     return {**result, "state": model.state_dict()}
 
@@ -242,7 +247,7 @@ def train_fully_sharded(config, save_directory, model=None) -> dict:
     """FSDP2 per decoder layer over all ranks, each rank training on its own micro-batch of every step."""
     model = shard_decoder_layers(build_model(config) if model is None else model)
     shapes = {name: (tuple(param.to_local().shape), tuple(param.shape)) for name, param in model.named_parameters()}
-    optimizer = PerHeadMuon.for_model(model, lr=LEARNING_RATE, qk_clip_tau=QK_CLIP_TAU)
+    optimizer = PerHeadMuon.for_model(model, lr=LEARNING_RATE)
     result = train_raw(model, optimizer, micro_batches(config, ranks=[dist.get_rank()]))
     save_pretrained_full(model, save_directory)
     return {**result, "state": full_state_dict(model), "local_and_full_shapes": shapes}
@@ -271,12 +276,13 @@ def load_through_trainer_into_sharded_at_load_time(work: Path, checkpoint: Path)
 def pooled_histograms_and_bias(config, batches: list[torch.Tensor]) -> dict:
     """Training forwards over ``batches``, then this process's histograms, the pooled ones and the solved bias."""
     model = build_model(config)
-    balancing = QuantileBalancingCallback(model)
+    balancing = QuantileBalancing(model)
+    balancing.attach()
     for input_ids in batches:
         model(input_ids=input_ids)
-    local = torch.stack([stats.histogram for stats in balancing.statistics(model).values()]).clone()
+    local = torch.stack([stats.histogram for stats in balancing.statistics.values()]).clone()
     (pooled,) = all_reduce_sum([local])
-    balancing.update(model)
+    balancing.update()
     return {"local": local, "pooled": pooled, "bias": router_biases(model)}
 
 

@@ -4,7 +4,7 @@ Launched as ``torchrun --nproc_per_node 2 tests/dist_scripts/plan_counts.py WORK
 with ``WORK/initial`` a saved default-config model. Two runs, each one training step (forward, backward, optimizer
 step, Quantile Balancing update) on one micro-batch per rank:
 
-- ``fsdp``: :func:`kimi_k3.distributed.shard_decoder_layers`, then Per-Head Muon;
+- ``fsdp``: :func:`kimi_k3.parallel.sharding.shard_decoder_layers`, then Per-Head Muon;
 - ``expert_parallel``: ``from_pretrained`` with ``DistributedConfig(fsdp_size=2, ep_size=2)``, then Per-Head Muon.
 
 Rank 0 writes, per run, the elements it holds (parameters, gradients, optimizer state, buffers) and the payload bytes
@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from kimi_k3.distributed import shard_decoder_layers, sharded_loading_config
-from kimi_k3.muon import PerHeadMuon
-from kimi_k3.parallel_verify import CollectivePayload, held_counts
-from kimi_k3.quantile_balancing import QuantileBalancingCallback
+from kimi_k3.parallel.sharding import shard_decoder_layers, sharded_loading_config
+from kimi_k3.optim.muon import PerHeadMuon
+from kimi_k3.planning.verify import CollectivePayload, held_counts
+from kimi_k3.policies.quantile_balancing import QuantileBalancing
 from modeling_kimi_k3 import KimiK3ForCausalLM
 
 SEQUENCE_LENGTH = 16
@@ -31,7 +31,8 @@ SEQUENCE_LENGTH = 16
 def one_step(model) -> dict:
     """One training step on this rank's micro-batch; what rank 0 then holds and what the optimizer and Quantile
     Balancing sent."""
-    balancing = QuantileBalancingCallback(model)
+    balancing = QuantileBalancing(model)
+    balancing.attach()
     optimizer = PerHeadMuon.for_model(model, ns_dtype=torch.bfloat16)  # what "auto" picks on GPUs
     generator = torch.Generator().manual_seed(dist.get_rank())
     input_ids = torch.randint(model.config.vocab_size, (1, SEQUENCE_LENGTH), generator=generator)
@@ -39,7 +40,7 @@ def one_step(model) -> dict:
     with CollectivePayload() as newton_schulz:
         optimizer.step()
     with CollectivePayload() as quantile_balancing:
-        balancing.update(model)
+        balancing.update()
     return {
         "counts": dataclasses.asdict(held_counts(model, optimizer)),
         "newton_schulz": {"payload": newton_schulz.payload, "calls": len(newton_schulz.calls),

@@ -23,8 +23,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers.distributed import DistributedConfig
 
 from configuration_kimi_k3 import KimiK3Config
-from kimi_k3.distributed import full_state_dict, shard_decoder_layers
-from kimi_k3.muon import PerHeadMuon
+from kimi_k3.parallel.sharding import full_state_dict, shard_decoder_layers
+from kimi_k3.optim.muon import PerHeadMuon
 from modeling_kimi_k3 import KimiK3ForCausalLM
 
 STEPS = 3

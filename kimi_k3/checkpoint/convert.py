@@ -1,0 +1,63 @@
+"""Convert a Kimi-K3 checkpoint between our save_pretrained layout and the released layout: ``kimi-k3-convert``.
+
+    kimi-k3-convert to-release   OUR_FOLDER      RELEASED_FOLDER [--max_shard_size 5GB]
+    kimi-k3-convert from-release RELEASED_FOLDER OUR_FOLDER      [--max_shard_size 5GB]
+
+``to-release`` writes the multimodal wrapper config, ``language_model.``-prefixed text tensors, MXFP4 routed experts
+and zero-padded ``A_log``; ``from-release`` undoes all four and drops the vision tower. Both stream one output shard
+at a time and write ``model.safetensors.index.json`` when there is more than one shard.
+"""
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+from kimi_k3.checkpoint.release_format import DEFAULT_MAX_SHARD_BYTES, export_released, import_released
+from kimi_k3.command_line import command_arguments, respelled
+
+PROG = "kimi-k3-convert"
+DIRECTIONS = {"to-release": export_released, "from-release": import_released}
+RENAMED_OPTIONS = {"--max-shard-size": "--max_shard_size", "--no-progress": "--no_progress"}
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MiB' or a plain byte count -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else None
+    if unit not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(
+            f"--max_shard_size must be a number with an optional unit in {sorted(u for u in _SIZE_UNITS if u)}, "
+            f"got {text!r}."
+        )
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("direction", choices=sorted(DIRECTIONS))
+    parser.add_argument("source", type=Path, help="checkpoint folder to read")
+    parser.add_argument("target", type=Path, help="empty or new folder to write")
+    parser.add_argument(
+        "--max_shard_size", type=parse_size, default=DEFAULT_MAX_SHARD_BYTES, help="largest output shard (default 5GiB)"
+    )
+    parser.add_argument("--no_progress", action="store_true", help="hide the progress bar")
+    return parser.parse_args(respelled(command_arguments(argv), RENAMED_OPTIONS, PROG))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Convert; a bad input or a failed write prints one line and returns 2, leaving no partial target folder."""
+    args = parse_args(argv)
+    convert = DIRECTIONS[args.direction]
+    try:
+        shards = convert(args.source, args.target, max_shard_bytes=args.max_shard_size, progress=not args.no_progress)
+    except (ValueError, OSError) as error:
+        print(f"{PROG}: error: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
+    print(f"Wrote {len(shards)} shard(s) to {args.target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,338 @@
+"""Streaming conversion of whole folders between our ``save_pretrained`` layout and the released Kimi-K3 layout.
+
+The formats themselves (released names and shapes, MXFP4, the expert layout, the strict matcher) are defined in
+``checkpoint_format_kimi_k3.py``, which ships with the model. Released: a multimodal wrapper ``config.json``,
+``language_model.`` text tensors, MXFP4 routed experts, zero-padded ``A_log``. Ours: the flat `KimiK3Config`, ``model.*``/``lm_head.*``, one dense
+``experts.{e}.w1/w2/w3.weight`` per expert, ``A_log`` [num_heads].
+
+Both directions check the input with the loader's own rules (`match_checkpoint_tensors`), plan every output tensor
+from the input headers, then stream: input tensors are read one at a time with one input shard mapped at a time,
+and each output shard is written as soon as it is complete, so peak memory stays near one output shard.
+"""
+
+import copy
+import json
+import math
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+from transformers.dynamic_module_utils import custom_object_save
+
+from checkpoint_format_kimi_k3 import (
+    EXPERT_LAYOUT,
+    ROUTED_EXPERT_WEIGHT,
+    CheckpointEntry,
+    checkpoint_shapes,
+    dequantize_mxfp4,
+    is_released_layout,
+    match_checkpoint_tensors,
+    quantize_mxfp4,
+    read_safetensors_headers,
+    released_config_dict,
+    released_tensor_shapes,
+)
+from configuration_kimi_k3 import KimiK3Config
+from modeling_kimi_k3 import KimiK3ForCausalLM
+from variants_kimi_k3 import BASIS_OF_EXPERT_TENSOR, materialise_experts
+
+from kimi_k3.checkpoint import run_folder
+
+__all__ = ["DEFAULT_MAX_SHARD_BYTES", "check_exportable", "export_released", "import_released"]
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+_SAFETENSORS_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "U8": torch.uint8,
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The two directions
+# ---------------------------------------------------------------------------------------------------------------------
+def export_released(
+    source: str | Path, target: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = True
+) -> list[str]:
+    """Our ``save_pretrained`` folder -> the released layout; returns the written shard file names.
+
+    Shared-basis experts are written as the released per-expert matrices they materialise, W_e = sum_j C[e, j] B_j;
+    the other variants are refused (`check_exportable`).
+    """
+    source = Path(source)
+    config = KimiK3Config.from_pretrained(source)
+    check_exportable(config)
+    entries, read = _open_checkpoint(source)
+    if is_released_layout(entries):
+        raise ValueError(f"{source} is already in the released layout (`language_model.` / `weight_packed` tensors).")
+    expected = _checkpoint_shapes(config)
+    sources = match_checkpoint_tensors(entries, expected, read)
+    released = _materialised_config(config)
+    steps, last_bank = [], {}
+    for name, stored in _in_shard_order(sources, entries):
+        if name.rpartition(".")[2] in BASIS_OF_EXPERT_TENSOR:
+            steps += _materialised_expert_steps(name, sources, expected, read, released, last_bank)
+        elif not name.endswith("_coefficients"):
+            steps.append(_export_step(name, stored, expected[name], entries, read, released))
+
+    def write(folder: Path) -> list[str]:
+        shards = _write_checkpoint(steps, folder, max_shard_bytes, progress, desc="to released layout")
+        (folder / "config.json").write_text(json.dumps(released_config_dict(released), indent=2, sort_keys=True) + "\n")
+        return shards
+
+    return _publish(source, target, write)
+
+
+def import_released(
+    source: str | Path, target: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = True
+) -> list[str]:
+    """A released-layout folder -> our ``save_pretrained`` layout; returns the written shard file names.
+
+    MXFP4 experts are dequantized to the config's dtype (bf16 in the release, where it is exact); every other tensor
+    keeps its stored dtype. Vision and projector tensors are dropped.
+    """
+    source = Path(source)
+    config = KimiK3Config.from_pretrained(source)
+    entries, read = _open_checkpoint(source)
+    if not is_released_layout(entries):
+        raise ValueError(f"{source} is not in the released layout (no `language_model.` or `weight_packed` tensors).")
+    expected = _checkpoint_shapes(config)
+    sources = match_checkpoint_tensors(entries, expected, read)
+    dense_dtype = config.dtype or torch.bfloat16
+    steps = [
+        _import_step(name, stored, expected[name], entries, read, dense_dtype)
+        for name, stored in _in_shard_order(sources, entries)
+    ]
+
+    def write(folder: Path) -> list[str]:
+        shards = _write_checkpoint(steps, folder, max_shard_bytes, progress, desc="to our layout")
+        config.architectures = [KimiK3ForCausalLM.__name__]
+        config.save_pretrained(folder)
+        return shards
+
+    return _publish(source, target, write)
+
+
+def _publish(source: Path, target: str | Path, write: Callable[[Path], list[str]]) -> list[str]:
+    """Write the converted folder under a unique hidden name beside ``target``, with the code files that let it load
+    through ``trust_remote_code``, then rename it into place: a failed conversion leaves no partial ``target``."""
+    target = _absent_or_empty(Path(target))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(run_folder.staging_name(target.name, run_folder.new_tag()))
+    staging.mkdir()
+    try:
+        shards = write(staging)
+        custom_object_save(KimiK3ForCausalLM, staging)  # the model file and the files it imports relatively
+        _copy_auxiliary_files(source, staging)
+        run_folder.replace_folder(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return shards
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Planning: one step per checkpoint tensor of ours, with the output tensors it becomes
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Step:
+    outputs: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    make: Callable[[], dict[str, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.outputs.values())
+
+
+def _export_step(name, stored, shape, entries, read, config) -> _Step:
+    planned = released_tensor_shapes(name, shape, config)
+    if ROUTED_EXPERT_WEIGHT.search(name):
+        outputs = {key: (packed_shape, torch.uint8) for key, packed_shape in planned.items()}
+        return _Step(outputs, lambda: dict(zip(planned, quantize_mxfp4(_model_tensor(read, stored, shape), name=name))))
+    ((key, released_shape),) = planned.items()
+    dtype = _torch_dtype(entries, stored[0])
+
+    def make() -> dict[str, torch.Tensor]:
+        tensor = _model_tensor(read, stored, shape)
+        # Only A_log changes shape: zero padding at the end.
+        return {key: tensor if released_shape == shape else F.pad(tensor, (0, released_shape[0] - shape[0]))}
+
+    return _Step({key: (released_shape, dtype)}, make)
+
+
+def check_exportable(config: KimiK3Config, purpose: str = "export_released") -> None:
+    """The released layout holds the released architecture: shared-basis experts materialise into it; the other
+    variants have weights or a routing rule it cannot represent (the release's code would compute another model)."""
+    refused = [variant for variant in config.enabled_variants if "expert_basis_size" not in variant]
+    if refused:
+        raise ValueError(
+            f"{purpose}: the released layout cannot represent {refused[0]}; keep this project's layout "
+            "(save_pretrained), which loads with trust_remote_code."
+        )
+
+
+def _materialised_config(config: KimiK3Config) -> KimiK3Config:
+    """The released-architecture configuration of a shared-basis model (independent experts)."""
+    released = copy.deepcopy(config)
+    released.expert_basis_size = None
+    return released
+
+
+def _materialised_expert_steps(basis_name, sources, expected, read, config, last_bank: dict) -> list[_Step]:
+    """One step per expert and released matrix of a shared-basis bank: W_e = sum_j C[e, j] B_j, then MXFP4.
+
+    ``last_bank`` keeps the bank read last: its experts are written one after another, so each bank is read once and
+    only one is held at a time."""
+    stem, _, bank = basis_name.rpartition(".")
+    fused = BASIS_OF_EXPERT_TENSOR[bank]
+    coefficients_name = f"{stem}.{bank.removesuffix('_basis')}_coefficients"
+    basis_shape, (num_experts, _) = expected[basis_name], expected[coefficients_name]
+    rows = basis_shape[1] // len(EXPERT_LAYOUT[fused])
+
+    def bank_tensors() -> tuple[torch.Tensor, torch.Tensor]:
+        if last_bank.get("name") != basis_name:
+            last_bank.clear()
+            last_bank.update(name=basis_name, tensors=(
+                _model_tensor(read, sources[coefficients_name], expected[coefficients_name]),
+                _model_tensor(read, sources[basis_name], basis_shape),
+            ))  # fmt: skip
+        return last_bank["tensors"]
+
+    def step(expert: int, index: int, part: str) -> _Step:
+        name = f"{stem}.{expert}.{part}.weight"
+        planned = released_tensor_shapes(name, (rows, basis_shape[2]), config)
+
+        def make() -> dict[str, torch.Tensor]:
+            coefficients, basis = bank_tensors()
+            weight = materialise_experts(coefficients[expert : expert + 1], basis)[0, index * rows : (index + 1) * rows]
+            return dict(zip(planned, quantize_mxfp4(weight, name=name)))
+
+        return _Step({key: (shape, torch.uint8) for key, shape in planned.items()}, make)
+
+    return [step(e, i, part) for e in range(num_experts) for i, part in enumerate(EXPERT_LAYOUT[fused])]
+
+
+def _import_step(name, stored, shape, entries, read, dense_dtype) -> _Step:
+    dtype = dense_dtype if len(stored) == 2 else _torch_dtype(entries, stored[0])
+    return _Step({name: (shape, dtype)}, lambda: {name: _model_tensor(read, stored, shape, dtype)})
+
+
+def _model_tensor(read, stored: tuple[str, ...], shape: tuple[int, ...], dtype=torch.float32) -> torch.Tensor:
+    """The tensor as the model holds it: dequantized when stored as MXFP4, narrowed when stored zero-padded."""
+    if len(stored) == 2:
+        return dequantize_mxfp4(read(stored[0]), read(stored[1]), dtype)
+    tensor = read(stored[0])
+    if tuple(tensor.shape) != shape:  # A_log stored zero-padded
+        tensor = tensor[: shape[0]]
+    # safetensors hands out views of the mapped file: copy, so that no output keeps an input shard mapped.
+    return tensor.clone()
+
+
+def _checkpoint_shapes(config: KimiK3Config) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        return checkpoint_shapes(KimiK3ForCausalLM(config))
+
+
+def _in_shard_order(sources: dict, entries: dict[str, CheckpointEntry]) -> list[tuple[str, tuple[str, ...]]]:
+    """Sort by input shard so that reading maps each shard once."""
+    shard_rank = {path: rank for rank, path in enumerate(dict.fromkeys(entry.path for entry in entries.values()))}
+    return sorted(sources.items(), key=lambda item: shard_rank[entries[item[1][0]].path])
+
+
+def _torch_dtype(entries: dict[str, CheckpointEntry], name: str) -> torch.dtype:
+    stored = entries[name].dtype
+    if stored not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"{name} has dtype {stored}; supported: {sorted(_SAFETENSORS_DTYPES)}.")
+    return _SAFETENSORS_DTYPES[stored]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reading and writing
+# ---------------------------------------------------------------------------------------------------------------------
+class _ShardReader:
+    """Reads checkpoint tensors by name, keeping a single input shard mapped at a time."""
+
+    def __init__(self, entries: dict[str, CheckpointEntry]):
+        self.entries = entries
+        self._path, self._shard = None, None
+
+    def __call__(self, name: str) -> torch.Tensor:
+        path = self.entries[name].path
+        if path != self._path:
+            self._shard = None  # unmap the previous shard before mapping the next
+            self._shard, self._path = safe_open(path, framework="pt"), path
+        return self._shard.get_tensor(name)
+
+
+def checkpoint_shard_files(folder: Path) -> list[str]:
+    """The safetensors shards of a saved folder: those its index names, or its single ``model.safetensors``."""
+    index = folder / SAFE_WEIGHTS_INDEX_NAME
+    if index.is_file():
+        shard_names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [str(folder / shard_name) for shard_name in shard_names]
+    if (folder / SAFE_WEIGHTS_NAME).is_file():
+        return [str(folder / SAFE_WEIGHTS_NAME)]
+    raise ValueError(f"{folder} holds no {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME}.")
+
+
+def _open_checkpoint(folder: Path) -> tuple[dict[str, CheckpointEntry], _ShardReader]:
+    entries = read_safetensors_headers(checkpoint_shard_files(folder))
+    return entries, _ShardReader(entries)
+
+
+def _write_checkpoint(steps: list[_Step], folder: Path, max_shard_bytes: int, progress: bool, desc: str) -> list[str]:
+    """Write the steps' outputs in shards of at most ``max_shard_bytes`` (a step never straddles two shards)."""
+    shards = _group_into_shards(steps, max_shard_bytes)
+    count = len(shards)
+    names = [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+    names = names if count > 1 else [SAFE_WEIGHTS_NAME]
+    total_bytes = sum(step.nbytes for step in steps)
+    weight_map = {}
+    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc=desc, disable=not progress) as bar:
+        for shard_name, shard_steps in zip(names, shards):
+            tensors = {}
+            for step in shard_steps:
+                tensors.update(step.make())
+                bar.update(step.nbytes)
+            save_file(tensors, str(folder / shard_name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(tensors, shard_name))
+            del tensors
+    if count > 1:
+        index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+        (folder / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return names
+
+
+def _group_into_shards(steps: list[_Step], max_shard_bytes: int) -> list[list[_Step]]:
+    if max_shard_bytes < 1:
+        raise ValueError(f"`max_shard_bytes` must be a positive number of bytes, got {max_shard_bytes}.")
+    shards, size = [[]], 0
+    for step in steps:
+        if shards[-1] and size + step.nbytes > max_shard_bytes:
+            shards, size = [*shards, []], 0
+        shards[-1].append(step)
+        size += step.nbytes
+    return shards
+
+
+def _absent_or_empty(folder: Path) -> Path:
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise ValueError(f"The output folder {folder} is not empty; stale shards would mix with the new ones.")
+    return folder
+
+
+def _copy_auxiliary_files(source: Path, target: Path) -> None:
+    """Tokenizer, generation config, card: everything but weights, configs and code (each layout has its own)."""
+    for path in source.iterdir():
+        skipped = path.name in ("config.json", SAFE_WEIGHTS_INDEX_NAME) or path.suffix in (".safetensors", ".py")
+        if path.is_file() and not skipped:
+            shutil.copy2(path, target / path.name)

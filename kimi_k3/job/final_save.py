@@ -1,0 +1,182 @@
+"""The end of a run: the final model folder with its card and expert-load picture, written atomically, and what the
+card and the console report about the run."""
+
+import math
+import os
+import shutil
+from pathlib import Path
+
+import datasets
+import torch
+from safetensors import safe_open
+from transformers import Trainer
+
+from kimi_k3.attachments.padding import masked_counts
+from kimi_k3.attachments.seams import find_routers
+from kimi_k3.checkpoint import run_folder
+from kimi_k3.checkpoint.release_format import checkpoint_shard_files, export_released
+from kimi_k3.job import expert_load
+from kimi_k3.job.arguments import ModelArguments, parse_qk_clip_tau
+from kimi_k3.job.expert_load import ExpertLoadRecorder
+from kimi_k3.job.resumable import TrainingClock
+from kimi_k3.job.trainer import SaveError, batch_size, save_failure
+from kimi_k3.policies.balance_metrics import load_balance_metrics
+from kimi_k3.publishing.model_card import TrainingSummary
+
+FINAL_MODEL_DIR = "model"
+
+
+@torch.no_grad()
+def measure_expert_load(model, blocks: datasets.Dataset, batch_size: int) -> dict[str, dict[str, float]]:
+    """Per-layer load-balance metrics of the final routing (bias included) over held-out blocks.
+
+    Routers record statistics only in training forwards, so the routes are read off their outputs with hooks.
+    """
+    routers = find_routers(model)
+    loads = {name: torch.zeros(router.num_experts, dtype=torch.long) for name, router in routers.items()}
+
+    def count_routes(name):
+        def hook(router, inputs, outputs):  # masked_counts drops the unused slots (index n) of dynamic k
+            loads[name] += masked_counts(outputs[2].cpu(), None, router.num_experts)
+
+        return hook
+
+    handles = [router.register_forward_hook(count_routes(name)) for name, router in routers.items()]
+    model.eval()
+    try:
+        inputs = [name for name in ("input_ids", "position_ids") if name in blocks.column_names]
+        for start in range(0, len(blocks), batch_size):
+            batch = blocks[start : start + batch_size]
+            model(**{name: torch.tensor(batch[name], device=model.device) for name in inputs}, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: load_balance_metrics(loads[name], router.e_score_correction_bias) for name, router in routers.items()}
+
+
+def training_summary(trainer, model_args, data_description, blocks, block_size, eval_metrics, packing):
+    """What the card reports; wall time and resumes come from the `TrainingClock`, which spans every job of the run."""
+    clock = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, TrainingClock))
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    args = trainer.args
+    global_batch_size = batch_size(args)["global"]
+    # A stream's size is unknown: count the tokens trained on.
+    train_blocks = len(blocks["train"]) if isinstance(blocks["train"], datasets.Dataset) else (
+        trainer.state.global_step * global_batch_size
+    )
+    return TrainingSummary(
+        data=data_description,
+        train_tokens=train_blocks * block_size,
+        eval_tokens=len(blocks["validation"]) * block_size,
+        block_size=block_size,
+        steps=trainer.state.global_step,
+        global_batch_size=global_batch_size,
+        optimizer="Per-Head Muon + AdamW" if model_args.optimizer == "per_head_muon" else f"AdamW ({args.optim})",
+        learning_rate=args.learning_rate,
+        router_balancing="quantile_balancing" if model_args.quantile_balancing else "none",
+        first_loss=losses[0] if losses else math.nan,
+        last_loss=losses[-1] if losses else math.nan,
+        eval_loss=eval_metrics["eval_loss"],
+        eval_perplexity=eval_metrics["eval_perplexity"],
+        wall_time_s=clock.seconds(),
+        base_model=model_args.model_name_or_path,
+        resumed_at=clock.resumed_at,
+        qat=describe_qat(model_args),
+        weights_on_disk=describe_weights_on_disk(model_args, trainer.model),
+        qk_clip=describe_qk_clip(model_args),
+        packing=packing,
+    )
+
+
+def describe_qat(model_args: ModelArguments) -> str:
+    if model_args.qat is None:
+        return "none"
+    activations = "full precision" if model_args.qat_activations == "none" else model_args.qat_activations.upper()
+    return f"{model_args.qat.upper()} routed experts (activations: {activations})"
+
+
+def describe_weights_on_disk(model_args: ModelArguments, model) -> str:
+    if model_args.final_layout == "released":
+        return "released layout, MXFP4 routed experts"
+    return f"this project's layout, {str(model.dtype).removeprefix('torch.')}"
+
+
+def describe_qk_clip(model_args: ModelArguments) -> str:
+    tau = parse_qk_clip_tau(model_args.qk_clip_tau)
+    return "off" if tau is None else f"tau = {tau:g}"
+
+
+def local_folder_name(model_dir: Path) -> str:
+    """How the card's usage snippet names the saved folder: relative to the working directory the job ran in, or,
+    for a folder outside it, a placeholder the card explains (an absolute path would publish the disk's layout)."""
+    relative = Path(os.path.relpath(model_dir.resolve(), Path.cwd().resolve()))
+    return "path/to/model" if relative.parts[:1] == ("..",) else relative.as_posix()
+
+
+def save_final_model(model, tokenizer, card, target: Path, tag: str | None = None, layout: str = "ours",
+                     files: dict[str, bytes] | None = None) -> Path:
+    """Model, code, tokenizer, card and ``files`` (name -> content, e.g. the card's picture) written to a unique
+    sibling staging folder, then swapped in (see `run_folder.replace_folder`); a failure raises `SaveError` and leaves
+    any previous ``target`` whole.
+
+    ``layout="released"`` converts the staged folder to the released layout (MXFP4 experts) before the swap; the
+    model's parameters are the master weights either way (QAT never changes them).
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tag = tag or run_folder.new_tag()
+    staging = target.with_name(run_folder.staging_name(target.name, tag))
+    released = target.with_name(run_folder.staging_name(f"{target.name}-released", tag))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        card.save(staging / "README.md")
+        for name, content in (files or {}).items():
+            (staging / name).write_bytes(content)
+        if layout == "released":
+            export_released(staging, released, progress=False)
+        run_folder.replace_folder(released if layout == "released" else staging, target)
+    except Exception as error:
+        raise SaveError(save_failure(target.name, target.parent, error)) from error
+    finally:
+        for folder in (staging, released):
+            shutil.rmtree(folder, ignore_errors=True)
+    return target
+
+
+def same_weights(first: Path, second: Path) -> bool:
+    """Both folders hold the same tensors, bit for bit (read one tensor at a time)."""
+    try:
+        files = [checkpoint_shard_files(folder) for folder in (first, second)]
+    except ValueError:
+        return False
+    handles = [[safe_open(path, framework="pt") for path in paths] for paths in files]
+    tensors = [{name: handle for handle in group for name in handle.keys()} for group in handles]
+    if tensors[0].keys() != tensors[1].keys():
+        return False
+    return all(torch.equal(tensors[0][name].get_tensor(name), tensors[1][name].get_tensor(name)) for name in tensors[0])
+
+
+def print_report(summary: TrainingSummary, model_dir: Path) -> None:
+    print(
+        f"first training loss {summary.first_loss:.4f} -> last {summary.last_loss:.4f}; "
+        f"final eval loss {summary.eval_loss:.4f}, eval perplexity {summary.eval_perplexity:.2f}; "
+        f"{summary.steps} steps in {summary.wall_time_s:.0f} s; model saved to {model_dir}"
+    )
+
+
+def expert_load_picture(trainer: Trainer, title: str) -> bytes | None:
+    """The card's expert-load picture (`kimi_k3.job.expert_load`); None for a model without routed experts, or, after one
+    line saying how to install it, without matplotlib."""
+    recorder = next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, ExpertLoadRecorder)), None)
+    if recorder is None:
+        return None
+    if not expert_load.matplotlib_available():
+        print(f"kimi-k3-train: matplotlib is not installed, so no expert-load picture is drawn: {expert_load.PLOT_EXTRA}")
+        return None
+    return expert_load.expert_load_png(recorder.snapshots(), trainer.state.log_history, f"{title}: expert load")
+
+
+def write_file_atomically(path: Path, content: bytes, tag: str) -> None:
+    staged = path.with_name(run_folder.staging_name(path.name, tag))
+    staged.write_bytes(content)
+    os.replace(staged, path)

@@ -1,0 +1,166 @@
+"""The job's ``Trainer``: checkpoints that appear atomically and record their global batch, loading into models sharded
+at load time, perplexity beside every evaluation loss."""
+
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+from accelerate.utils import broadcast_object_list
+from transformers import Trainer, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+from checkpoint_format_kimi_k3 import verify_checkpoint_files
+from kimi_k3.checkpoint import run_folder
+from kimi_k3.checkpoint.release_format import checkpoint_shard_files
+from kimi_k3.parallel.sharding import load_full_state_dict
+
+# Written into every checkpoint: what a resume compares its own global batch with.
+BATCH_FILE = "batch_size.json"
+
+
+class SaveError(RuntimeError):
+    """Writing a checkpoint or the final model failed; nothing partial was published."""
+
+
+class KimiK3Trainer(Trainer):
+    """``Trainer`` whose checkpoints appear atomically, also load into models sharded at load time, and whose
+    evaluations report perplexity."""
+
+    _staging_run_dir: Path | None = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # One tag per job, the same on every rank: all ranks write their RNG state into one staging folder.
+        self.staging_tag = broadcast_object_list([run_folder.new_tag()])[0]
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "eval_loss" in logs:
+            logs["eval_perplexity"] = perplexity(logs["eval_loss"])
+        super().log(logs, start_time)
+
+    def _get_output_dir(self, trial) -> str:
+        if self._staging_run_dir is not None:
+            return str(self._staging_run_dir)
+        return super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Write ``checkpoint-N`` under a hidden staging folder unique to this job, fsync it and rename it into place.
+
+        A failure midway (a full disk, a kill) leaves no ``checkpoint-N`` behind, so ``--resume_from_checkpoint True``
+        still finds the previous, complete one; the failure surfaces as one `SaveError`.
+        """
+        run_dir = Path(super()._get_output_dir(trial))
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging = run_dir / run_folder.staging_name(name, self.staging_tag)
+        if self.args.should_save:
+            shutil.rmtree(staging, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        self._staging_run_dir = staging
+        try:
+            super()._save_checkpoint(model, trial)
+            self.accelerator.wait_for_everyone()
+            if self.args.should_save:
+                write_batch_size(self.args, staging / name / BATCH_FILE)
+                self._publish_checkpoint(staging / name, run_dir / name)
+        except Exception as error:
+            raise SaveError(save_failure(name, run_dir, error)) from error
+        finally:
+            self._staging_run_dir = None
+            if self.args.should_save:
+                shutil.rmtree(staging, ignore_errors=True)
+
+    def _publish_checkpoint(self, staged: Path, target: Path) -> None:
+        best = self.state.best_model_checkpoint
+        if best is not None and Path(best) == staged:
+            # The best checkpoint was recorded under its staging path; point the state at its final place.
+            self.state.best_model_checkpoint = str(target)
+            self.state.save_to_json(str(staged / "trainer_state.json"))
+        run_folder.replace_folder(staged, target)
+        rotate_checkpoints(
+            output_dir=str(target.parent),
+            save_total_limit=self.args.save_total_limit,
+            best_model_checkpoint=self.state.best_model_checkpoint,
+            use_mtime=True,
+        )
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """Refuse a checkpoint that does not hold exactly the model's tensors (`from_pretrained`'s own check): Trainer
+        would otherwise only warn and train on with, say, a freshly initialised ``lm_head``."""
+        verify_checkpoint_files(model or self.model, checkpoint_shard_files(Path(resume_from_checkpoint)))
+        if self.is_distributed_loading_by_transformers:
+            self._load_into_shards(resume_from_checkpoint)
+        else:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self) -> None:
+        if self.is_distributed_loading_by_transformers:
+            self._load_into_shards(self.state.best_model_checkpoint)
+        else:
+            super()._load_best_model()
+
+    def _load_into_shards(self, checkpoint: str) -> None:
+        """Checkpoint weights into a model sharded at load time (``DistributedConfig``), every rank keeping its shard.
+
+        Trainer's own loader copies plain tensors into the ``DTensor`` parameters, which fails. Each rank reads the
+        whole checkpoint through ``from_pretrained`` (any saved layout, strict).
+        """
+        saved = type(self.model).from_pretrained(checkpoint, config=self.model.config)
+        load_full_state_dict(self.model, saved.state_dict())
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else math.inf
+
+
+def save_failure(name: str, folder: Path, error: BaseException) -> str:
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    full = " (the disk is full)" if run_folder.is_disk_full(error) else ""
+    return f"saving {name} in {folder} failed{full}: {reason}; nothing partial was published"
+
+
+def write_batch_size(args: TrainingArguments, path: Path) -> None:
+    path.write_text(json.dumps(batch_size(args)) + "\n")
+
+
+def batch_size(args: TrainingArguments) -> dict[str, int]:
+    per_device, accumulation, processes = args.per_device_train_batch_size, args.gradient_accumulation_steps, args.world_size
+    return {
+        "global": per_device * accumulation * processes,
+        "per_device_train_batch_size": per_device,
+        "gradient_accumulation_steps": accumulation,
+        "processes": processes,
+    }
+
+
+def check_resumable(model, checkpoint: str, training_args: TrainingArguments) -> None:
+    """The checkpoint must hold exactly the model's tensors; a changed global batch is allowed but announced."""
+    verify_checkpoint_files(model, checkpoint_shard_files(Path(checkpoint)))
+    saved = Path(checkpoint) / BATCH_FILE
+    if not saved.is_file():
+        return
+    old, new = json.loads(saved.read_text()), batch_size(training_args)
+    if old["global"] != new["global"]:
+        print(
+            f"kimi-k3-train: warning: resuming {checkpoint} with global batch {new['global']} "
+            f"({describe_batch(new)}); it was trained with {old['global']} ({describe_batch(old)}), so the data order "
+            "and the optimizer trajectory differ from the original run",
+            file=sys.stderr,
+        )
+
+
+def describe_batch(batch: dict[str, int]) -> str:
+    return (
+        f"{batch['per_device_train_batch_size']} per device x {batch['gradient_accumulation_steps']} accumulation "
+        f"x {batch['processes']} processes"
+    )
+
+
+def finished_step(checkpoint: str | None, training_args: TrainingArguments) -> int | None:
+    """The checkpoint's step when it already reached the run's end (--max_steps, else the step count it recorded)."""
+    if checkpoint is None:
+        return None
+    state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+    last_step = training_args.max_steps if training_args.max_steps > 0 else state["max_steps"]
+    return state["global_step"] if state["global_step"] >= last_step else None

@@ -1,0 +1,68 @@
+"""``torch.compile`` for kernels attached from outside the model: compiled once per process, with the eager function
+as the fallback whenever compilation is impossible (no C++ compiler for inductor's CPU code, no Triton on a GPU)."""
+
+import contextlib
+import os
+from collections.abc import Callable
+
+import torch
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+
+def isa_safe_compile_caches() -> contextlib.AbstractContextManager:
+    """Inductor's FX graph cache with the CPU's own kernels; without it when ``ATEN_CPU_CAPABILITY`` restricts them.
+
+    The cache key does not include that restriction (torch 2.13): a kernel cached by a process restricted to AVX2 on
+    an AVX-512 CPU, read back by an unrestricted process on the same machine (or the other way round), computes wrong
+    values and writes out of bounds. A restricted process therefore neither reads nor writes the cache.
+    """
+    if not os.environ.get("ATEN_CPU_CAPABILITY"):
+        return contextlib.nullcontext()
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(fx_graph_cache=False)
+
+
+class CompiledFunction:
+    """``function`` compiled by ``torch.compile`` on first call, with dynamic shapes, shared by all its callers.
+
+    One instance per function keeps one compilation cache per process instead of one per layer. Inside an
+    already-compiled region the eager function is traced into the outer graph instead. If compilation fails (no C++
+    compiler for inductor's CPU code, no Triton on a GPU, a Python that dynamo does not support) the eager function
+    is used from then on, after one warning; the kernel's own runtime errors (e.g. out of memory) propagate.
+    """
+
+    def __init__(self, function: Callable, skip_hint: str = "train with --no_fused_situ to skip the attempt"):
+        self.function = function
+        self.skip_hint = skip_hint
+        self.compiled: Callable | None = None
+        self.failed = False
+
+    def __call__(self, *args):
+        if self.failed or torch.compiler.is_compiling():
+            return self.function(*args)
+        if self.compiled is None:
+            try:
+                self.compiled = torch.compile(self.function, dynamic=True)
+            except RuntimeError as error:
+                return self._fall_back(error, args)
+        try:
+            with isa_safe_compile_caches():
+                return self.compiled(*args)
+        except Exception as error:
+            from torch._dynamo.exc import TorchDynamoException  # loaded by the compiled call
+
+            if not isinstance(error, TorchDynamoException):
+                raise
+            return self._fall_back(error, args)
+
+    def _fall_back(self, error: Exception, args: tuple):
+        self.failed = True
+        reason = (str(error).strip().splitlines() or [""])[0]
+        logger.warning(
+            f"torch.compile of `{self.function.__name__}` failed, using the eager PyTorch version from now on "
+            f"({self.skip_hint}): {type(error).__name__}: {reason}"
+        )
+        return self.function(*args)

@@ -1,0 +1,155 @@
+"""Fused SiTU-GLU for training, attached to a Kimi K3 model from outside.
+
+The model computes SiTU-GLU with its eager reference (`modeling_kimi_k3.situ_and_mul`), so a folder loaded with
+``trust_remote_code`` alone trains, with the same results. Eager SiTU-GLU is a dozen memory-bound elementwise passes
+forward and backward; inductor turns each direction into one loop over the elements (2-4x faster on CPU at expert
+sizes, see benchmarks/README.md). `use_fused_situ(model)` swaps that in at the model's activation seam, every
+``KimiK3GLUActivation``, the way transformers' kernel hub (``kernelize``) replaces the forward of a layer that keeps
+its torch reference as the body. The routed experts hand their activation the concatenated ``[gate ‖ up]``, which
+takes the concatenated kernel: its backward writes the gradient in that layout, with no split or concatenation.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from functools import partial
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from kimi_k3.attachments.handle import Attachment, undone_on_failure
+from kimi_k3.attachments.seams import find_situ_activations
+from kimi_k3.kernels.compiled import CompiledFunction, isa_safe_compile_caches
+from modeling_kimi_k3 import situ_and_mul, upcast
+
+__all__ = [
+    "FUSED_MIN_ELEMENTS", "SHARED_KERNELS", "SiTUKernels", "use_fused_situ", "fused_situ_glu", "fused_situ_and_mul",
+    "CompiledFunction", "isa_safe_compile_caches",
+]
+
+# Activations smaller than this are not worth a kernel launch through the compiled wrapper (decoding, tiny models).
+FUSED_MIN_ELEMENTS = 2**18
+
+
+def situ_and_mul_backward(
+    gate: torch.Tensor, up: torch.Tensor, grad_output: torch.Tensor, beta: float, linear_beta: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input gradients of `situ_and_mul`, written out so that the fused kernels need no autograd.
+
+    With t = tanh(g/β₁), σ = σ(g) and c = β₂·tanh(u/β₂): ∂/∂g = c·σ·((1 − t²) + β₁·t·(1 − σ)),
+    ∂/∂u = β₁·t·σ·(1 − tanh²(u/β₂)) (∂/∂u = β₁·t·σ when the up branch is uncapped).
+    """
+    dtypes = gate.dtype, up.dtype
+    gate, up, grad_output = upcast(gate), upcast(up), upcast(grad_output)
+    gate_tanh, gate_sigmoid = torch.tanh(gate / beta), torch.sigmoid(gate)
+    if linear_beta is None:
+        capped_up, capped_up_slope = up, 1.0
+    else:
+        up_tanh = torch.tanh(up / linear_beta)
+        capped_up, capped_up_slope = linear_beta * up_tanh, 1 - up_tanh * up_tanh
+    gate_slope = gate_sigmoid * ((1 - gate_tanh * gate_tanh) + beta * gate_tanh * (1 - gate_sigmoid))
+    grad_gate = grad_output * capped_up * gate_slope
+    grad_up = grad_output * beta * gate_tanh * gate_sigmoid * capped_up_slope
+    return grad_gate.to(dtypes[0]), grad_up.to(dtypes[1])
+
+
+def situ_glu(gate_up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """SiTU-GLU of ``[gate ‖ up]`` concatenated on the last dim, gate first (the experts' fused layout)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return situ_and_mul(gate, up, beta, linear_beta)
+
+
+def situ_glu_backward(
+    gate_up: torch.Tensor, grad_output: torch.Tensor, beta: float, linear_beta: float | None
+) -> torch.Tensor:
+    """Gradient of `situ_glu` with respect to ``gate_up``, in the same concatenated layout."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.cat(situ_and_mul_backward(gate, up, grad_output, beta, linear_beta), dim=-1)
+
+
+def _compiled(function: Callable):
+    return field(default_factory=lambda: CompiledFunction(function))
+
+
+@dataclass
+class SiTUKernels:
+    """Compiled forward and backward kernels of SiTU-GLU, for the concatenated experts layout and for separate inputs.
+
+    Compiling costs seconds per kernel, so every model attached with the default set (`SHARED_KERNELS`) shares one
+    compilation cache per process; pass another set to `use_fused_situ` to keep its compilation (or its failure) apart.
+    """
+
+    glu: CompiledFunction = _compiled(situ_glu)
+    glu_backward: CompiledFunction = _compiled(situ_glu_backward)
+    and_mul: CompiledFunction = _compiled(situ_and_mul)
+    and_mul_backward: CompiledFunction = _compiled(situ_and_mul_backward)
+
+    def all(self) -> tuple[CompiledFunction, ...]:
+        return tuple(getattr(self, kernel.name) for kernel in fields(self))
+
+
+SHARED_KERNELS = SiTUKernels()
+
+
+class FusedSiTUGLU(torch.autograd.Function):
+    """SiTU-GLU whose forward and backward are each one compiled elementwise kernel of ``kernels``.
+
+    Both directions are plain functions compiled without autograd, so a compiler failure in either is caught and
+    falls back to the eager reference. ``gate`` is either the concatenated ``[gate ‖ up]`` (``up=None``: the gradient
+    is written in that layout, with no split/cat) or the gate alone.
+    """
+
+    @staticmethod
+    def forward(ctx, gate, up, beta, linear_beta, kernels: SiTUKernels):
+        ctx.save_for_backward(gate, up)
+        ctx.betas, ctx.kernels = (beta, linear_beta), kernels
+        if up is None:
+            return kernels.glu(gate, beta, linear_beta)
+        return kernels.and_mul(gate, up, beta, linear_beta)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output):
+        gate, up = ctx.saved_tensors
+        if up is None:
+            return ctx.kernels.glu_backward(gate, grad_output, *ctx.betas), None, None, None, None
+        return *ctx.kernels.and_mul_backward(gate, up, grad_output, *ctx.betas), None, None, None
+
+
+def fused_situ_glu(gate_up: torch.Tensor, beta: float, linear_beta: float | None,
+                   kernels: SiTUKernels = SHARED_KERNELS) -> torch.Tensor:
+    return FusedSiTUGLU.apply(gate_up, None, beta, linear_beta, kernels)
+
+
+def fused_situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None,
+                       kernels: SiTUKernels = SHARED_KERNELS) -> torch.Tensor:
+    return FusedSiTUGLU.apply(gate, up, beta, linear_beta, kernels)
+
+
+def fuses(activation: torch.Tensor, min_elements: int) -> bool:
+    """Only training forwards (the backward is where most of the time goes) of large activations."""
+    return activation.requires_grad and torch.is_grad_enabled() and activation.numel() >= min_elements
+
+
+def fused_activation_forward(module: nn.Module, min_elements: int, kernels: SiTUKernels, gate: torch.Tensor,
+                             up: torch.Tensor | None = None) -> torch.Tensor:
+    """``KimiK3GLUActivation.forward`` through `FusedSiTUGLU`, or the module's own reference where it does not pay."""
+    if not fuses(gate, min_elements):
+        return type(module).forward(module, gate, up)
+    if up is None:
+        return fused_situ_glu(gate, module.beta, module.linear_beta, kernels)
+    return fused_situ_and_mul(gate, up, module.beta, module.linear_beta, kernels)
+
+
+def use_fused_situ(model: nn.Module, min_elements: int = FUSED_MIN_ELEMENTS,
+                   kernels: SiTUKernels = SHARED_KERNELS) -> Attachment:
+    """Route every SiTU-GLU activation of ``model`` through `FusedSiTUGLU` with ``kernels`` in training forwards whose
+    activation has at least ``min_elements`` elements; ``remove()`` on the returned handle gives the modules back
+    their own reference. Works on the installed classes and on ``trust_remote_code`` copies alike.
+    """
+    attachment = Attachment("fused SiTU-GLU")
+    with undone_on_failure(attachment):
+        for activation in find_situ_activations(model).values():
+            forward = partial(fused_activation_forward, activation, min_elements, kernels)
+            attachment.set_attribute(activation, "forward", forward)
+    return attachment

@@ -1,0 +1,559 @@
+"""Per-Head Muon: Muon whose Newton–Schulz step runs on per-head row blocks of the attention projections.
+
+Muon (Keller Jordan's Muon; Moonlight, arXiv:2502.16982) for matrix parameters, AdamW for everything else, in one ``torch.optim.Optimizer`` whose
+param groups carry their own ``lr``/``weight_decay``, so one Hugging Face LR schedule drives both halves.
+
+A Muon group may tag its parameters with
+
+- ``head_rows``: the rows of one attention head, an int or a tuple (e.g. ``(k_nope, v)`` for MLA's fused
+  ``kv_b_proj``); every head segment is orthogonalized as its own block (Per-Head Muon, K3 report §2.5);
+- ``expert_rows``: for stacked expert tensors ``[E, R, C]``, the rows of one block of each expert's matrix
+  (``moe_intermediate_size`` splits the fused ``gate_up_proj`` into the released w1 and w3; ``R`` keeps
+  ``down_proj`` whole).
+
+Every block, of every parameter, that has the same shape goes through one batched Newton–Schulz chain.
+
+Under torch.distributed, Newton–Schulz is split across the ranks (:mod:`kimi_k3.optim.split_newton_schulz`): each rank
+orthogonalises about 1/N of the blocks and the results are exchanged, for replicated (DDP) parameters and for
+``DTensor`` shards (FSDP2, expert parallelism's 2-D mesh, tensor parallelism), where a block inside a rank's shard
+(every expert matrix under expert parallelism) is orthogonalised there and only blocks cut by a shard boundary
+travel. Momentum, decay and AdamW are elementwise and run on the shards as they are. Every rank ends the step with
+bitwise the single-process update. :func:`newton_schulz_exchange_bytes` is the per-step communication of that scheme.
+"""
+
+import functools
+import itertools
+import math
+import re
+from collections import defaultdict
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim.adamw import adamw
+
+from checkpoint_format_kimi_k3 import EXPERT_LAYOUT, expert_block_rows
+from variants_kimi_k3 import BASIS_OF_EXPERT_TENSOR
+from kimi_k3.optim.precision import matmul_dtype
+from kimi_k3.parallel.shard_layout import LayoutError, check_local_shard
+from kimi_k3.optim.newton_schulz_exchange import CutBlockExchange, assemble_sharded, orthogonalize_replicated
+from kimi_k3.optim.split_newton_schulz import (
+    Domain,
+    ShardedPlan,
+    Tiling,
+    group_holdings,
+    plan_exchange,
+    plan_replicated,
+    split_domain,
+)
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_STEPS = 5
+NS_EPS = 1e-7
+# Moonlight update-RMS matching: 0.2·sqrt(max(rows, cols)) gives an AdamW-like update RMS of ~0.2 (Moonlight, arXiv:2502.16982).
+MATCH_RMS_ADAMW = 0.2
+
+_KDA_HEAD_PROJS = ("q_proj", "k_proj", "v_proj")
+_MLA_QUERY_PROJS = ("q_b_proj", "q_proj")
+LAYER_PARAM = re.compile(r"layers\.(\d+)\.self_attn\.(\w+)\.weight$")
+
+
+def zeropower_via_newton_schulz5(blocks, coefficients=NS_COEFFICIENTS, steps=NS_STEPS, eps=NS_EPS,
+                                 dtype=torch.bfloat16):
+    """Approximate polar factor U·S'·Vᵀ (S' ≈ 1) of every matrix in ``blocks`` [n, rows, cols], computed in ``dtype``.
+
+    Each matrix is Frobenius-normalized on its own, which is what decouples the heads (K3 report §2.5). NS5 only
+    needs S' near 1, so bf16 suffices where it is fast; fp32 gives the same update to bf16 tolerance.
+    """
+    a, b, c = coefficients
+    x = blocks.to(dtype)
+    tall = x.size(-2) > x.size(-1)
+    if tall:
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if tall else x
+
+
+def row_pattern(group):
+    """Rows of one block, repeated along the rows of every matrix of ``group`` (one entry per block of a head)."""
+    rows = group["head_rows"] if group.get("head_rows") is not None else group.get("expert_rows")
+    return (rows,) if isinstance(rows, int) else rows
+
+
+def split_row_blocks(matrices, pattern):
+    """View ``matrices`` [..., R, C] as block stacks [n, r, C], one stack per distinct segment of ``pattern``."""
+    rows, cols = matrices.shape[-2:]
+    if pattern is None:
+        return [matrices.reshape(-1, rows, cols)]
+    if len(set(pattern)) == 1:
+        return [matrices.reshape(-1, pattern[0], cols)]
+    periods = matrices.reshape(-1, sum(pattern), cols)
+    starts = itertools.accumulate(pattern, initial=0)
+    return [periods[:, start : start + size] for start, size in zip(starts, pattern)]
+
+
+def merge_row_blocks(blocks, pattern, shape):
+    """Inverse of :func:`split_row_blocks`."""
+    if len(blocks) == 1:
+        return blocks[0].reshape(shape)
+    merged = torch.empty(shape, dtype=blocks[0].dtype, device=blocks[0].device)
+    periods = merged.view(-1, sum(pattern), shape[-1])
+    for start, size, block in zip(itertools.accumulate(pattern, initial=0), pattern, blocks):
+        periods[:, start : start + size] = block
+    return merged
+
+
+def gather_whole_matrix(update):
+    """A sharded (``DTensor``) update all-gathered into a whole plain tensor on every rank; a plain tensor as it is.
+
+    The path of ``split_newton_schulz=False``: every rank orthogonalises every block of every update, then keeps its
+    own shard of the result (:func:`shard_like`). Bitwise the single-process update.
+    """
+    return update.full_tensor() if isinstance(update, DTensor) else update
+
+
+def shard_like(update, whole):
+    """This rank's shard of ``whole`` in the layout of ``update`` (local slicing, no communication)."""
+    if isinstance(update, DTensor):
+        return distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)
+    return whole
+
+
+def orthogonalize_by_shape(stacks, dtype=torch.bfloat16):
+    """Run NS5 in ``dtype`` once per distinct block shape over all ``stacks`` of that shape, in input order."""
+    by_shape = defaultdict(list)
+    for index, stack in enumerate(stacks):
+        by_shape[tuple(stack.shape[1:])].append(index)
+    outputs = [None] * len(stacks)
+    for indices in by_shape.values():
+        batch = torch.cat([stacks[i].to(dtype) for i in indices])  # cast first: bf16 halves the bytes to copy
+        pieces = zeropower_via_newton_schulz5(batch, dtype=dtype).split([stacks[i].shape[0] for i in indices])
+        for index, piece in zip(indices, pieces):
+            outputs[index] = piece
+    return outputs
+
+
+def orthogonalize_whole(updates, patterns, dtypes, orthogonalize):
+    """Every block on this process: per update, (orthogonalised update in its layout, alpha scale)."""
+    layouts, updates = updates, [gather_whole_matrix(update) for update in updates]
+    stacks = [split_row_blocks(update, pattern) for update, pattern in zip(updates, patterns)]
+    orthogonal = iter(orthogonalize([stack for per_param in stacks for stack in per_param]))
+    results = []
+    for update, pattern, dtype, per_param in zip(updates, patterns, dtypes, stacks):
+        blocks = [block for _, block in zip(per_param, orthogonal)]
+        scales = {_match_rms_scale(block) for block in blocks}
+        if len(scales) == 1:  # one scale for all blocks: it goes into the fp32 add, no scaled copies
+            scale = scales.pop()
+        else:
+            blocks, scale = [block.to(dtype) * _match_rms_scale(block) for block in blocks], 1.0
+        results.append((merge_row_blocks(blocks, pattern, update.shape), scale))
+    return [(shard_like(layout, whole), scale) for layout, (whole, scale) in zip(layouts, results)]
+
+
+def newton_schulz_exchange_bytes(shapes, patterns, world_size, sharded, itemsize=torch.bfloat16.itemsize):
+    """(bytes sent, bytes received) per rank and optimizer step by split Newton–Schulz, for Muon parameters of global
+    ``shapes`` with block ``patterns`` (``row_pattern`` of their groups; None = whole matrices), replicated (DDP)
+    or dim-0 sharded (FSDP2) over ``world_size`` ranks. See :mod:`kimi_k3.optim.split_newton_schulz` for the scheme and for
+    other layouts (``ShardedPlan``). ``itemsize`` is that of the optimizer's ``ns_dtype``: bf16 (2) by default, fp32 (4)
+    where bf16 is emulated."""
+    return plan_exchange(shapes, patterns, world_size, sharded, NS_STEPS).exchange_bytes(itemsize)
+
+
+class MuonJob(NamedTuple):
+    """One Muon parameter of a step, with its group, block pattern and name (for error messages)."""
+
+    param: torch.Tensor
+    group: dict
+    pattern: tuple[int, ...] | None
+    name: str
+
+
+def muon_shapes_and_patterns(param_groups):
+    """Global shapes and block patterns of every Muon parameter of ``param_groups`` (an optimizer's, or those of
+    :func:`build_param_groups`), in step order: the arguments of :func:`newton_schulz_exchange_bytes`."""
+    pairs = [(tuple(p.shape), row_pattern(group)) for group in param_groups if group.get("use_muon", True)
+             for p in group["params"]]
+    return [shape for shape, _ in pairs], [pattern for _, pattern in pairs]
+
+
+class PerHeadMuon(torch.optim.Optimizer):
+    """Muon with per-head Newton–Schulz for groups with ``use_muon=True``, AdamW for the other groups.
+
+    Muon update per block B of shape (r, C) (Moonlight's Muon, per head as in K3 report §2.5)::
+
+        M <- mu*M + G ;  U = G + mu*M (Nesterov) ;  W <- W*(1 - lr*wd) - lr*0.2*sqrt(max(r, C))*NS5(U_B)
+
+    Momentum and decay are elementwise, so the state is one buffer per parameter, exactly as for whole-matrix Muon.
+    AdamW groups use ``betas``/``eps`` and torch's AdamW arithmetic. Parameters may be FSDP2 ``DTensor`` shards (from
+    ``accelerate``'s FSDP2 plugin or transformers' load-time sharding); the update is the same. Policies that act
+    after a step (QK-Clip, Quantile Balancing) attach to it as to any optimizer, through its step hooks.
+
+    ``ns_dtype`` is the Newton–Schulz precision: ``"auto"`` (default) runs bf16 where the parameters' device
+    multiplies bf16 natively (CUDA, CPUs with AVX-512-BF16 or AMX) and fp32 elsewhere, where emulated bf16 would
+    be 15-100x slower; ``"bfloat16"`` or ``"float32"`` force one.
+
+    Under an initialised process group of several ranks Newton–Schulz is split across the ranks
+    (:mod:`kimi_k3.optim.split_newton_schulz`), with plain parameters taken as replicated, as DDP keeps them, and DTensors
+    by their layout (FSDP2, expert and tensor parallelism); a layout it cannot describe is refused at the first step,
+    naming the parameter. ``split_newton_schulz=False`` makes every rank gather and orthogonalise every block instead
+    (e.g. for parameters that differ between ranks). A single process is unaffected.
+    """
+
+    def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, betas=(0.9, 0.95),
+                 eps=1e-8, ns_dtype="auto", split_newton_schulz=True):
+        if lr < 0:
+            raise ValueError(f"`lr` must be >= 0, got {lr}.")
+        if weight_decay < 0:
+            raise ValueError(f"`weight_decay` must be >= 0, got {weight_decay}.")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"`momentum` must be in [0, 1), got {momentum}.")
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, betas=betas, eps=eps,
+                        use_muon=True, head_rows=None, expert_rows=None)
+        super().__init__(params, defaults)
+        first_param = next(p for group in self.param_groups for p in group["params"])
+        self.ns_dtype = matmul_dtype(ns_dtype, first_param.device)
+        self.split_newton_schulz = split_newton_schulz
+        self._plans: dict[tuple, object] = {}
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        _check_group(self.param_groups[-1])
+
+    @classmethod
+    def for_model(cls, model, lr=1e-3, weight_decay=0.1, adamw_lr=None, adamw_betas=(0.9, 0.95), adamw_eps=1e-8,
+                  momentum=0.95, nesterov=True, split_kv=True, ns_dtype="auto", split_newton_schulz=True,
+                  qk_clip_tau=None):
+        """Build the optimizer for a Kimi K3 model with the parameter split of `build_param_groups`.
+
+        ``adamw_lr`` defaults to ``lr``: Moonlight RMS matching makes one lr fit both halves. ``split_kv=True``
+        (default) orthogonalizes MLA ``kv_b_proj`` as separate K and V blocks per head, because the report
+        orthogonalizes "Q, K and V" as separate projections; a fused [k_nope‖v] block would couple K's and V's
+        scales through one Frobenius normalization, which is the coupling Per-Head Muon removes, and QK-Clip
+        rescales the K rows alone.
+        """
+        if qk_clip_tau is not None:
+            raise TypeError(
+                "PerHeadMuon.for_model no longer takes qk_clip_tau: attach QK-Clip to the optimizer instead, "
+                "QKClip(model, tau).attach(optimizer) (kimi_k3.policies.qk_clip), or QKClipCallback(tau) under Trainer"
+            )
+        _refuse_lora_adapters(model)
+        groups = build_param_groups(model, weight_decay=weight_decay, adamw_lr=adamw_lr, split_kv=split_kv)
+        return cls(groups, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                   betas=adamw_betas, eps=adamw_eps, ns_dtype=ns_dtype, split_newton_schulz=split_newton_schulz)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._muon_step([group for group in self.param_groups if group["use_muon"]])
+        for group in self.param_groups:
+            if not group["use_muon"]:
+                self._adamw_step(group)
+        return loss
+
+    def _muon_step(self, groups):
+        jobs = [MuonJob(p, group, row_pattern(group), name) for group in groups
+                for p, name in zip(group["params"], _param_names(group)) if p.grad is not None]
+        by_domain = defaultdict(list)
+        for job in jobs:
+            by_domain[self._domain(job)].append(job)
+        for domain, members in by_domain.items():
+            if domain is not None and domain.sharded:
+                self._sharded_step(domain, members)
+            else:
+                updates = [self._nesterov_update(job.param, job.group, self._advance_momentum(job)) for job in members]
+                for job, (update, scale) in zip(members, self._orthogonalize_together(domain, members, updates)):
+                    self._apply(job, update, scale)
+
+    def _domain(self, job) -> Domain | None:
+        """Where the job's Newton–Schulz runs; a layout the split cannot describe is refused, naming the parameter."""
+        if not self.split_newton_schulz:
+            return None
+        try:
+            return split_domain(job.param)
+        except LayoutError as error:
+            raise ValueError(f"Per-Head Muon cannot split Newton–Schulz of {_describe(job)}: {error}; pass "
+                             "split_newton_schulz=False to orthogonalise whole matrices on every rank.") from None
+
+    def _orthogonalize_together(self, domain, jobs, updates):
+        """(orthogonalised update, alpha scale) per job, with every update of the step at hand: on this process alone
+        (``domain`` None), or split over the replicated ranks of ``domain``."""
+        orthogonalize = functools.partial(orthogonalize_by_shape, dtype=self.ns_dtype)
+        patterns, dtypes = [job.pattern for job in jobs], [job.param.dtype for job in jobs]
+        if domain is None:
+            return orthogonalize_whole(updates, patterns, dtypes, orthogonalize)
+        key = (domain, tuple(tuple(update.shape) for update in updates), tuple(patterns))
+        if key not in self._plans:
+            _check_replicated(updates, domain.group)
+            world_size = dist.get_world_size(domain.group)
+            self._plans[key] = plan_replicated([u.shape for u in updates], patterns, world_size, NS_STEPS)
+        return orthogonalize_replicated(updates, patterns, dtypes, domain.group, self._plans[key], orthogonalize,
+                                        self.ns_dtype, _match_rms_scale_of_shape)
+
+    def _sharded_step(self, domain, jobs):
+        """Momentum first; then each update is formed twice, once for the pieces of cut blocks that travel and once for
+        this rank's own rows, so that a step holds one parameter's update at a time besides those pieces."""
+        plan = self._sharded_plan(domain, jobs)
+        rank = dist.get_rank(domain.group)
+        buffers = [self._advance_momentum(job) for job in jobs]
+        orthogonalize = functools.partial(orthogonalize_by_shape, dtype=self.ns_dtype)
+        exchange = CutBlockExchange(plan, rank, self.ns_dtype, jobs[0].param.device)
+        for index, (job, buffer) in enumerate(zip(jobs, buffers)):
+            if exchange.holds_cut_pieces(index):
+                exchange.take(index, _local_matrix(self._nesterov_update(job.param, job.group, buffer)))
+        results = exchange.run(orthogonalize, domain.group)
+        for index, (job, buffer) in enumerate(zip(jobs, buffers)):
+            update, scale = assemble_sharded(plan, rank, index, self._nesterov_update(job.param, job.group, buffer),
+                                             results, orthogonalize, job.param.dtype, self.ns_dtype,
+                                             _match_rms_scale_of_shape)
+            self._apply(job, update, scale)
+
+    def _sharded_plan(self, domain, jobs) -> ShardedPlan:
+        """The block assignment of ``domain`` for these parameters' shapes and layouts, computed once (every rank
+        computes the same); on that first step each rank checks that the shard it computed for itself is its own."""
+        layouts = [(tuple(job.param.shape), job.param.device_mesh, job.param.placements) for job in jobs]
+        key = (domain, tuple(layouts), tuple(job.pattern for job in jobs))
+        if key not in self._plans:
+            rank = dist.get_rank(domain.group)
+            by_layout = {}  # parameters laid out alike share one holdings tuple, and so one analysis in the plan
+            for job, layout in zip(jobs, layouts):
+                if layout not in by_layout:
+                    by_layout[layout] = group_holdings(job.param, domain.group)
+                try:
+                    check_local_shard(job.param, by_layout[layout][rank])
+                except LayoutError as error:
+                    raise ValueError(f"Per-Head Muon cannot split Newton–Schulz of {_describe(job)}: {error}.") \
+                        from None
+            tilings = [Tiling.of(job.param.shape, job.pattern) for job in jobs]
+            self._plans[key] = ShardedPlan(tilings, [by_layout[layout] for layout in layouts], NS_STEPS)
+        return self._plans[key]
+
+    def newton_schulz_plans(self) -> list:
+        """The block assignments of the steps so far (``kimi_k3.optim.split_newton_schulz`` plans), for planners and
+        tests that compare them with a layout's."""
+        return list(self._plans.values())
+
+    def _advance_momentum(self, job):
+        state = self.state[job.param]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(job.param)
+        buffer = state["momentum_buffer"]
+        buffer.mul_(job.group["momentum"]).add_(job.param.grad)
+        return buffer
+
+    @staticmethod
+    def _nesterov_update(p, group, buffer):
+        return p.grad.add(buffer, alpha=group["momentum"]) if group["nesterov"] else buffer
+
+    @staticmethod
+    def _apply(job, update, scale):
+        job.param.mul_(1 - job.group["lr"] * job.group["weight_decay"])
+        job.param.add_(update, alpha=-job.group["lr"] * scale)
+
+    def _adamw_step(self, group):
+        params = [p for p in group["params"] if p.grad is not None]
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+        states = [self.state[p] for p in params]
+        beta1, beta2 = group["betas"]
+        adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+              [], [s["step"] for s in states], amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+              weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+
+
+def _param_names(group):
+    unnamed = [f"parameter {i} of shape {tuple(p.shape)}" for i, p in enumerate(group["params"])]
+    return group.get("param_names") or unnamed
+
+
+def _describe(job) -> str:
+    """The parameter's name with its layout, for one-line refusals."""
+    layout = ""
+    if isinstance(job.param, DTensor):
+        mesh = job.param.device_mesh
+        layout = f" (placements {tuple(job.param.placements)} on a mesh of shape {tuple(mesh.mesh.shape)}"
+        layout += f" named {mesh.mesh_dim_names})" if mesh.mesh_dim_names else ")"
+    return f"{job.name}{layout}"
+
+
+def _local_matrix(tensor):
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.reshape(math.prod(local.shape[:-1]), local.shape[-1])
+
+
+def _match_rms_scale(block):
+    return _match_rms_scale_of_shape(*block.shape[-2:])
+
+
+def _match_rms_scale_of_shape(rows, cols):
+    return MATCH_RMS_ADAMW * math.sqrt(max(rows, cols))
+
+
+def _check_replicated(updates, group):
+    """Plain parameters under a process group are taken as replicated (DDP); on the first step every rank compares the
+    sums of its updates with the others', since a rank training its own copy would silently get other ranks' blocks."""
+    sums = torch.stack([update.to_local().sum() if isinstance(update, DTensor) else update.sum() for update in updates])
+    bits = sums.float().view(torch.int32)  # compared as bit patterns: NaN sums match too
+    highest, lowest = bits.clone(), bits.clone()
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=group)
+    if not torch.equal(highest, lowest):
+        raise ValueError(
+            "Per-Head Muon found different updates on different ranks for parameters it took as replicated (plain "
+            "tensors under torch.distributed, as DDP keeps them); pass split_newton_schulz=False when each rank "
+            "trains its own model."
+        )
+
+
+def _check_group(group):
+    """Reject parameters Muon cannot orthogonalize, with the offending shape and the allowed layouts."""
+    if group["head_rows"] is not None and not group["params"]:
+        raise ValueError("A param group with `head_rows` has no parameters; Per-Head Muon would silently be inert.")
+    if not group["use_muon"]:
+        return
+    if group["head_rows"] is not None and group["expert_rows"] is not None:
+        raise ValueError(
+            "A Muon param group takes `head_rows` (2-D attention) or `expert_rows` (3-D experts), not both."
+        )
+    for p in group["params"]:
+        expected_ndim = 2 if group["expert_rows"] is None else 3
+        if p.ndim != expected_ndim:
+            raise ValueError(
+                f"Muon param groups hold 2-D matrices, or 3-D stacked experts [E, rows, cols] when `expert_rows` is "
+                f"set; got a {p.ndim}-D parameter of shape {tuple(p.shape)} in a group with "
+                f"expert_rows={group['expert_rows']}. Put it in a `use_muon=False` (AdamW) group."
+            )
+        pattern = row_pattern(group)
+        if pattern is not None and p.shape[-2] % sum(pattern):
+            raise ValueError(
+                f"Block rows {pattern} (sum {sum(pattern)}) do not divide the {p.shape[-2]} rows of a parameter of "
+                f"shape {tuple(p.shape)}; `head_rows`/`expert_rows` must tile the rows exactly."
+            )
+
+
+def build_param_groups(model, weight_decay=0.1, adamw_lr=None, split_kv=True):
+    """Param groups of a Kimi K3 model (K3 report §2.5); head sizes come from ``model.config``.
+
+    Each group lists its parameters' names under ``param_names`` (torch's named param groups). Muon: every trainable
+    2-D weight (KDA q/k/v in ``linear_attn_config["head_dim"]`` row blocks; MLA q_b_proj in
+    nope+rope blocks; kv_b_proj in (nope, v) or nope+v blocks; the rest whole), and the stacked experts per expert
+    (shared-basis experts: each basis matrix, split like an expert; their coefficients go to AdamW).
+    AdamW: embeddings, lm_head, conv kernels and the [1, hidden] AttnRes pseudo-queries (with decay), and 1-D tensors
+    (without decay). Buffers such as the router's ``e_score_correction_bias`` are in no group.
+    """
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) != "kimi_k3":
+        raise ValueError(
+            f"build_param_groups needs a Kimi K3 model (config.model_type == 'kimi_k3'), got "
+            f"{type(model).__name__} with model_type={getattr(config, 'model_type', None)!r}."
+        )
+    head_rows = head_rows_by_layer_type(config, split_kv)
+    by_tag, tagged_layer_types = defaultdict(list), set()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            tag, layer_type = _group_tag(name, p, config, head_rows)
+            by_tag[tag].append((name, p))
+            tagged_layer_types.add(layer_type)
+    _require_head_blocks(head_rows, set(config.layer_types) - tagged_layer_types)
+    groups = [{"params": [p for _, p in named], "param_names": [name for name, _ in named], **dict(tag)}
+              for tag, named in by_tag.items()]
+    for group in groups:
+        if not group["use_muon"] and adamw_lr is not None:
+            group["lr"] = adamw_lr
+        group.setdefault("weight_decay", weight_decay)
+    return groups
+
+
+def head_rows_by_layer_type(config, split_kv):
+    mla_rows = config.qk_nope_head_dim + config.qk_rope_head_dim
+    kv_rows = (config.qk_nope_head_dim, config.v_head_dim) if split_kv else config.qk_nope_head_dim + config.v_head_dim
+    return {
+        "linear_attention": dict.fromkeys(_KDA_HEAD_PROJS, config.linear_attn_config["head_dim"]),
+        "full_attention": {**dict.fromkeys(_MLA_QUERY_PROJS, mla_rows), "kv_b_proj": kv_rows},
+    }
+
+
+def _group_tag(name, p, config, head_rows):
+    """(hashable group keys, layer type whose head rows tag the parameter or None) of one named parameter."""
+    if p.ndim < 2:
+        return (("use_muon", False), ("weight_decay", 0.0)), None
+    if "embed_tokens" in name or "lm_head" in name or name.endswith("_res_proj.weight"):
+        return (("use_muon", False),), None
+    layer = LAYER_PARAM.search(name)
+    if layer is not None:
+        layer_type = config.layer_types[int(layer.group(1))]
+        rows = head_rows[layer_type].get(layer.group(2))
+        if rows is not None:
+            return (("use_muon", True), ("head_rows", rows)), layer_type
+    module, weight = name.rsplit(".", 2)[-2:]
+    if module == "experts" and weight.endswith("_coefficients"):
+        return (("use_muon", False),), None  # shared-basis mixing weights, not a map of activations
+    weight = BASIS_OF_EXPERT_TENSOR.get(weight, weight)  # a basis matrix has the row blocks of the expert it builds
+    if p.ndim == 3 and module == "experts" and weight in EXPERT_LAYOUT:
+        return (("use_muon", True), ("expert_rows", expert_block_rows(weight, tuple(p.shape)))), None
+    return (("use_muon", p.ndim == 2),), None
+
+
+def _require_head_blocks(head_rows, untagged_layer_types):
+    """A config whose KDA/MLA q/k/v were not found would leave Per-Head Muon inert."""
+    missing = sorted(untagged_layer_types - {None})
+    if missing:
+        names = {layer_type: sorted(head_rows[layer_type]) for layer_type in missing}
+        raise ValueError(
+            f"The config has {missing} layers but none of their per-head projections "
+            f"(layers.<i>.self_attn.<name>.weight, names {names}) is a trainable parameter of the model, so "
+            f"Per-Head Muon would be inert."
+        )
+
+
+def _refuse_lora_adapters(model) -> None:
+    """Per-Head Muon's blocks are heads and experts of full weight matrices. A LoRA factor (r x n or n x r) has no
+    heads, and orthogonalizing it sets all r of its singular values to one scale every step, which throws away the
+    adapter's own spectrum; AdamW is what LoRA recipes use."""
+    lora = [name for name, p in model.named_parameters() if p.requires_grad and ".lora_" in name]
+    if lora:
+        raise ValueError(
+            f"PerHeadMuon.for_model: the model trains LoRA adapters (e.g. {lora[0]}); Per-Head Muon orthogonalizes "
+            "whole per-head weight matrices, not low-rank LoRA factors. Train the adapters with AdamW (Trainer's "
+            "default optimizer, or --optimizer adamw), or merge them and train the full model with Per-Head Muon."
+        )
+
+
+class PerHeadMuonFactory:
+    """Trainer factory: ``Trainer(optimizer_cls_and_kwargs=(PerHeadMuonFactory, kwargs))`` calls
+    ``PerHeadMuonFactory()(model, **kwargs)``; kwargs are those of
+    :meth:`PerHeadMuon.for_model`. Trainer passes a factory the model and these kwargs only, never the
+    ``TrainingArguments``, so ``lr`` and ``weight_decay`` must be in kwargs: :meth:`from_training_args` copies them
+    (and the AdamW betas and epsilon) from the arguments."""
+
+    @classmethod
+    def from_training_args(cls, args, **overrides) -> tuple[type, dict]:
+        """``optimizer_cls_and_kwargs`` that trains with ``args``' learning rate, weight decay and AdamW settings."""
+        kwargs = {
+            "lr": args.learning_rate,
+            "weight_decay": args.weight_decay,
+            "adamw_betas": (args.adam_beta1, args.adam_beta2),
+            "adamw_eps": args.adam_epsilon,
+        }
+        return cls, {**kwargs, **overrides}
+
+    def __call__(self, model, **kwargs):
+        missing = [name for name in ("lr", "weight_decay") if name not in kwargs]
+        if missing:
+            raise ValueError(
+                f"PerHeadMuonFactory needs {' and '.join(missing)} in its kwargs: Trainer does not pass it the "
+                "TrainingArguments, so their learning_rate and weight_decay would be ignored. Use "
+                "`optimizer_cls_and_kwargs=PerHeadMuonFactory.from_training_args(args)` or pass "
+                "`{'lr': args.learning_rate, 'weight_decay': args.weight_decay}`."
+            )
+        return PerHeadMuon.for_model(model, **kwargs)

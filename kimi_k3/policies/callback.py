@@ -1,0 +1,56 @@
+"""A training policy under ``transformers.Trainer``: attached for the run, logged, detached.
+
+The policy itself updates from a step hook of the optimizer (`Attachment.run_after_each_step`), so the callback
+does nothing at steps: under ``Trainer`` the policy acts exactly as in a plain ``torch`` loop or an accelerate loop.
+"""
+
+from transformers import TrainerCallback
+
+
+class PolicyCallback(TrainerCallback):
+    """Attaches ``policy`` to the Trainer's model and optimizer at the start of training, adds the policy's
+    ``latest_metrics`` to every training-loss log, and removes the attachment at the end.
+
+    A policy has ``attach(optimizer, model)`` returning a handle with ``remove()``, and ``latest_metrics``.
+    """
+
+    def __init__(self, policy=None):
+        self.policy = policy
+        self.attachment = None
+
+    def policy_for(self, model):
+        """The policy to attach to the Trainer's ``model``."""
+        return self.policy
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self.detach()  # a previous run that ended in an exception never reached on_train_end
+        if optimizer is None:
+            raise ValueError(f"{type(self).__name__} updates after each optimizer step, and the Trainer gave it none")
+        self.policy = self.policy_for(model)
+        self.attachment = self.policy.attach(optimizer, model)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.detach()
+
+    def detach(self) -> None:
+        """Remove what the policy attached, so that a model trained again records only for that run's policy."""
+        if self.attachment is not None:
+            self.attachment.remove()
+            self.attachment = None
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        # Only the training-loss log of a step; eval and end-of-training summaries have other keys.
+        metrics = getattr(self.policy, "latest_metrics", None)
+        if logs is not None and "loss" in logs and metrics:
+            logs.update(metrics)
+            state.log_history[-1].update(metrics)
+
+    def attach(self, trainer) -> "PolicyCallback":
+        """Register right after DefaultFlowCallback, before the ``report_to`` integrations, so that they log the
+        policy's metrics too; moves the callback there if it was already registered (two copies would attach twice).
+        """
+        callbacks = trainer.callback_handler.callbacks
+        if self in callbacks:
+            callbacks.remove(self)
+        callbacks.insert(1, self)
+        return self

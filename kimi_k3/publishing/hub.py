@@ -1,0 +1,168 @@
+"""Publish a saved model folder with the standard hub client: ``create_repo``, ``create_branch``, then ``upload_folder``.
+
+Uploading the folder as it is keeps our README.md; ``model.push_to_hub`` would overwrite it with the hub's card or
+the generic template. A push that fails on the network or on the token ends in one `HubError` whose message names the
+cause and the fix, in the options both commands that push share (``kimi-k3-push`` and ``kimi-k3-train``, spelled as
+``TrainingArguments`` spells them).
+"""
+
+from contextlib import contextmanager
+from pathlib import Path
+
+from huggingface_hub import HfApi, ModelCard, constants, get_session, get_token
+from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+from transformers.dynamic_module_utils import get_relative_imports
+
+from kimi_k3.publishing.model_card import is_our_card, metadata_problems
+
+# Trainer state a checkpoint folder holds besides the model; none of it belongs in a published model.
+TRAINING_STATE_PATTERNS = ["optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state*.pth", "trainer_state.json",
+                           "training_args.bin", "batch_size.json", ".*"]
+REQUIRED_FILES = (
+    "config.json", "checkpoint_format_kimi_k3.py", "configuration_kimi_k3.py", "modeling_kimi_k3.py", "tokenizer.json"
+)
+# Pull-request refs take commits as they are; they cannot be created as branches.
+PULL_REQUEST_REF = "refs/pr/"
+
+
+TOKEN_OPTION, REPO_OPTION, TIMEOUT_OPTION = "--hub_token", "--hub_model_id", "--timeout"
+
+
+class HubError(ValueError):
+    """A push that cannot succeed or did not: no token, an incomplete folder, the hub unreachable or refusing."""
+
+
+OFFLINE_MESSAGE = "cannot push while HF_HUB_OFFLINE is set: unset it (or set HF_HUB_OFFLINE=0) and rerun"
+
+
+def check_online() -> None:
+    """Offline mode refuses every push whatever the token, so it is named first."""
+    if constants.HF_HUB_OFFLINE:
+        raise HubError(OFFLINE_MESSAGE)
+
+
+def resolve_token(token: str | None = None) -> str:
+    """The explicit token, else HF_TOKEN or the stored login; checked before training so a run never ends unpushed."""
+    token = token or get_token()
+    if not token:
+        raise HubError(
+            f"pushing to the hub needs a token: pass {TOKEN_OPTION}, set HF_TOKEN, or log in with `hf auth login`"
+        )
+    return token
+
+
+def check_model_files(folder: Path) -> None:
+    """Code, config, weights and tokenizer: what a reload with trust_remote_code and generation need."""
+    if not folder.is_dir():
+        raise HubError(f"{folder} is not a folder")
+    missing = [name for name in REQUIRED_FILES if not (folder / name).is_file()]
+    if (folder / "modeling_kimi_k3.py").is_file():  # and every file it imports, which trust_remote_code fetches too
+        imported = [f"{name}.py" for name in get_relative_imports(folder / "modeling_kimi_k3.py")]
+        missing += sorted(name for name in imported if name not in missing and not (folder / name).is_file())
+    if not any(folder.glob("*.safetensors")):
+        missing.append("*.safetensors")
+    if missing:
+        raise HubError(f"{folder} is not a complete Kimi K3 model folder; missing {missing}")
+
+
+def check_publishable(folder: Path) -> None:
+    """A published folder must reload with trust_remote_code and carry our card, with metadata the hub accepts."""
+    check_model_files(folder)
+    readme = folder / "README.md"
+    if not is_our_card(readme):
+        raise HubError(f"{readme} is missing or is not a Kimi K3 model card (no 'kimi_k3' tag)")
+    problems = metadata_problems(ModelCard.load(readme).data.to_dict())
+    if problems:
+        raise HubError(f"{readme}: the hub would reject its metadata: {'; '.join(problems)}")
+
+
+def push_folder(
+    folder: str | Path,
+    repo_id: str,
+    api: HfApi,
+    private: bool | None = None,
+    commit_message: str = "Upload Kimi K3 model",
+    revision: str | None = None,
+    create_pr: bool = False,
+    timeout: float | None = None,
+) -> str:
+    """Create (or reuse) ``repo_id`` and upload the model files of ``folder``; returns where they went.
+
+    ``revision`` is the branch to commit to, created from the default branch if missing (a ``refs/pr/N`` ref adds
+    to an open pull request); ``create_pr`` opens a pull request against it (or the default branch) instead of
+    committing. ``timeout`` bounds connecting and each read or write of every request, in seconds.
+    """
+    folder = Path(folder)
+    check_publishable(folder)
+    with failures_explained(api, repo_id, timeout):
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        if revision is not None and not revision.startswith(PULL_REQUEST_REF):
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        commit = api.upload_folder(
+            repo_id=repo_id,
+            folder_path=folder,
+            commit_message=commit_message,
+            ignore_patterns=TRAINING_STATE_PATTERNS,
+            revision=revision,
+            create_pr=create_pr,
+        )
+    where = repo_id if revision is None else f"{repo_id}, branch {revision}"
+    return f"{where}, pull request {commit.pr_url}" if create_pr else where
+
+
+@contextmanager
+def failures_explained(api: HfApi, repo_id: str, timeout: float | None):
+    """Turn the client's network, offline-mode and HTTP errors into one-line `HubError`s, within ``timeout``."""
+    session = get_session()
+    previous = session.timeout
+    if timeout is not None:
+        session.timeout = timeout
+    try:
+        yield
+    except OfflineModeIsEnabled:
+        raise HubError(OFFLINE_MESSAGE) from None
+    except HfHubHTTPError as error:
+        raise HubError(http_failure(error, repo_id)) from None
+    except Exception as error:
+        message = transport_failure(error, api.endpoint, timeout)
+        if message is None:
+            raise
+        raise HubError(message) from None
+    finally:
+        session.timeout = previous
+
+
+def http_failure(error: HfHubHTTPError, repo_id: str) -> str:
+    status = error.response.status_code if error.response is not None else None
+    if status == 401:
+        return (
+            f"the hub rejected the token (401 Unauthorized): pass a valid one with {TOKEN_OPTION}, set HF_TOKEN, or "
+            "log in again with `hf auth login`"
+        )
+    if status == 403:
+        return (
+            f"the token may not write to {repo_id} (403 Forbidden): pass a token with write access to that namespace "
+            f"with {TOKEN_OPTION}, or push to a repository of your own with {REPO_OPTION}"
+        )
+    detail = (error.server_message or str(error)).strip().splitlines()
+    return f"the hub refused the push to {repo_id} (HTTP {status}): {detail[0] if detail else type(error).__name__}"
+
+
+def transport_failure(error: Exception, endpoint: str, timeout: float | None) -> str | None:
+    """The message for a connection that failed or timed out, else None (the command that set a ``timeout`` takes a
+    longer one with ``--timeout``).
+
+    Matched by class name: the client raises httpx's classes (huggingface_hub 1.x) or those of its fork httpx2 (2.x).
+    """
+    kinds = {cls.__name__ for cls in type(error).__mro__}
+    if "TimeoutException" in kinds:
+        longer = f", or allow more with {TIMEOUT_OPTION}" if timeout is not None else ""
+        within = f" within {timeout:g} s" if timeout is not None else ""
+        return f"the hub at {endpoint} did not answer{within}: check the connection and rerun{longer}"
+    if "TransportError" in kinds:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return (
+            f"cannot reach the hub at {endpoint} ({reason}): check the network connection, and HF_ENDPOINT or the "
+            "proxy settings if you set them, then rerun"
+        )
+    return None

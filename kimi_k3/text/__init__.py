@@ -1,0 +1,1 @@
+"""Training text: corpora as ``datasets`` splits of token blocks, and the byte-level BPE tokenizer."""

@@ -1,0 +1,60 @@
+"""Features composed by the training job: ``kimi-k3-train --qat mxfp4`` on the default model runs the fused
+concatenated SiTU-GLU kernel for every MoE layer in every training step, beside QAT's fake-quantized experts.
+
+Each feature once undid another's: QAT's unbinding removed the fused experts' activation, so from the second forward
+on the routed experts ran the split kernel. Counted here per optimizer step, over several steps."""
+
+import torch
+
+from configuration_kimi_k3 import KimiK3Config
+from kimi_k3.attachments.seams import find_routed_experts, find_situ_activations
+from kimi_k3.job.trainer import KimiK3Trainer
+from kimi_k3.kernels import fused_situ
+from kimi_k3.kernels.fused_situ import SHARED_KERNELS
+from kimi_k3.quantization import qat
+from modeling_kimi_k3 import KimiK3ForCausalLM
+from tests.job.test_train import run_main
+
+STEPS = 3
+
+
+class Counter:
+    """Counts the calls of a module-level function, then calls it."""
+
+    def __init__(self, monkeypatch, module, name: str):
+        self.function, self.calls = getattr(module, name), 0
+        monkeypatch.setattr(module, name, self)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.function(*args, **kwargs)
+
+
+def test_default_job_with_qat_runs_the_fused_concatenated_kernel_in_every_step(tmp_path, monkeypatch):
+    # The eager bodies of the kernels (same bits): which path runs is the point here, not compilation.
+    for kernel in (*SHARED_KERNELS.all(), qat.COMPILED_MXFP4):
+        monkeypatch.setattr(kernel, "failed", True)
+    counters = {
+        "concatenated": Counter(monkeypatch, fused_situ, "fused_situ_glu"),
+        "separate": Counter(monkeypatch, fused_situ, "fused_situ_and_mul"),
+        "fake-quantized weights": Counter(monkeypatch, qat, "fake_quantize_mxfp4"),
+    }
+    per_step, training_step = [], KimiK3Trainer.training_step
+
+    def counted_step(self, *args, **kwargs):
+        before = {name: counter.calls for name, counter in counters.items()}
+        loss = training_step(self, *args, **kwargs)
+        per_step.append({name: counter.calls - before[name] for name, counter in counters.items()})
+        return loss
+
+    monkeypatch.setattr(KimiK3Trainer, "training_step", counted_step)
+    status, printed = run_main(["--output_dir", str(tmp_path / "run"), "--qat", "mxfp4", "--max_steps", str(STEPS),
+                                "--eval_steps", str(STEPS), "--save_steps", str(STEPS), "--max_eval_samples", "2"])
+    assert status == 0, printed
+
+    with torch.device("meta"):
+        model = KimiK3ForCausalLM(KimiK3Config())
+    routed = len(find_routed_experts(model))
+    dense = len(find_situ_activations(model)) - routed  # layer 0's MLP and every MoE layer's shared experts
+    expected = {"concatenated": routed, "separate": dense, "fake-quantized weights": 2 * routed}
+    assert per_step == [expected] * STEPS

@@ -1,0 +1,350 @@
+"""Publishing through the standard hub client, against a local stand-in for the hub: what is uploaded (to which
+branch or pull request), that the card is ours, and that the uploaded folder reloads with trust_remote_code and
+generates what the local folder does; that network and token failures end in one line naming the fix; and that a
+wheel install, without the source tree, still renders the card."""
+
+import contextlib
+import http.server
+import inspect
+import json
+import os
+import re
+import runpy
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import zipfile
+from pathlib import Path
+
+import huggingface_hub
+import pytest
+from huggingface_hub import CommitInfo, HfApi, ModelCard, RepoUrl
+from huggingface_hub.utils import filter_repo_objects
+
+from kimi_k3.publishing import hub
+from kimi_k3.job.expert_load import matplotlib_available
+from tests.conftest import TINY_CONFIG
+from tests.job.test_train import generate_in_fresh_process, run_main, sampled_continuation, tiny_args, write_corpus
+
+REPO = Path(__file__).resolve().parents[2]
+REPO_ID = "someone/kimi-k3-tiny"
+MODEL_FILES = {
+    "README.md", "checkpoint_format_kimi_k3.py", "config.json", "configuration_kimi_k3.py", "generation_config.json", "model.safetensors",
+    "modeling_kimi_k3.py", "tokenizer.json", "tokenizer_config.json", "variants_kimi_k3.py",
+}  # fmt: skip
+# The training job's model/ folder also holds the card's picture (a checkpoint-N folder does not).
+TRAINED_MODEL_FILES = MODEL_FILES | ({"expert_load.png"} if matplotlib_available() else set())
+
+# Runs in `python -I`, which ignores PYTHONPATH and puts neither cwd nor the repository on sys.path: the unpacked wheel
+# goes first on sys.path here, and the imported modules must come from it.
+RENDER_CARD_FROM_WHEEL = """
+import json, sys
+from pathlib import Path
+site, config = Path(sys.argv[1]), json.loads(sys.argv[2])
+sys.path.insert(0, str(site))
+import torch
+import configuration_kimi_k3, modeling_kimi_k3
+from kimi_k3.publishing import model_card
+for module in (configuration_kimi_k3, modeling_kimi_k3, model_card):
+    assert Path(module.__file__).is_relative_to(site), module.__file__
+with torch.device("meta"):
+    model = modeling_kimi_k3.KimiK3ForCausalLM(configuration_kimi_k3.KimiK3Config(**config))
+print(model_card.render_model_card(model, "wheel-card").content)
+"""
+
+
+class FakeHfApi:
+    """Stand-in for ``huggingface_hub.HfApi``: each repo is a folder under ``root`` (its main branch), another branch
+    or a pull request is a folder ``repo@branch`` / ``repo@refs/pr/N``, each upload a recorded commit.
+
+    Calls are checked against the real methods' signatures, so the code under test cannot drift from the client.
+    Uploading to a branch that was never created fails the test (the hub answers 404).
+    """
+
+    endpoint = "https://huggingface.co"
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.calls: list[tuple[str, dict]] = []
+        self.branches: set[tuple[str, str]] = set()
+        self.pull_requests = 0
+
+    def _record(self, name: str, *args, **kwargs) -> None:
+        inspect.signature(getattr(HfApi, name)).bind(self, *args, **kwargs)
+        self.calls.append((name, kwargs))
+
+    def create_repo(self, repo_id, **kwargs):
+        self._record("create_repo", repo_id, **kwargs)
+        (self.root / repo_id).mkdir(parents=True, exist_ok=kwargs.get("exist_ok", False))
+        return RepoUrl(f"https://huggingface.co/{repo_id}")
+
+    def create_branch(self, repo_id, **kwargs):
+        self._record("create_branch", repo_id, **kwargs)
+        self.branches.add((repo_id, kwargs["branch"]))
+
+    def upload_folder(self, **kwargs):
+        self._record("upload_folder", **kwargs)
+        repo_id, revision = kwargs["repo_id"], kwargs.get("revision")
+        if revision not in (None, "main") and (repo_id, revision) not in self.branches:
+            raise AssertionError(f"upload to branch {revision} of {repo_id}, which was never created")
+        pr_url = None
+        if kwargs.get("create_pr"):
+            self.pull_requests += 1
+            revision, pr_url = f"refs/pr/{self.pull_requests}", f"{self.endpoint}/{repo_id}/discussions/{self.pull_requests}"
+        remote = self.root / (repo_id if revision in (None, "main") else f"{repo_id}@{revision}")
+        folder = Path(kwargs["folder_path"])
+        files = [str(path.relative_to(folder)) for path in folder.rglob("*") if path.is_file()]
+        for name in filter_repo_objects(
+            files, allow_patterns=kwargs.get("allow_patterns"), ignore_patterns=kwargs.get("ignore_patterns")
+        ):
+            target = remote / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(folder / name, target)
+        return CommitInfo(commit_url=f"{self.endpoint}/{repo_id}/commit/0", commit_message=kwargs.get("commit_message"),
+                          commit_description="", oid="0" * 40, pr_url=pr_url)
+
+
+@pytest.fixture
+def fake_hub(tmp_path, monkeypatch) -> FakeHfApi:
+    api = FakeHfApi(tmp_path / "hub")
+    monkeypatch.setattr(hub, "HfApi", lambda token: api)
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # conftest sets HF_HUB_OFFLINE=1
+    return api
+
+
+@pytest.fixture(scope="module")
+def pushed(tmp_path_factory):
+    """A 2-step run with ``--push_to_hub``: (local run folder, remote repo folder, fake hub)."""
+    root = tmp_path_factory.mktemp("push")
+    api = FakeHfApi(root / "hub")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hub, "HfApi", lambda token: api)
+        patch.setenv("HF_TOKEN", "hf_test_token")
+        args = tiny_args(root / "run", write_corpus(root), "--max_steps", "2", "--save_steps", "1")
+        status, printed = run_main([*args, "--eval_strategy", "no", "--push_to_hub", "--hub_model_id", REPO_ID])
+    assert status == 0 and f"pushed {root / 'run' / 'model'} to {REPO_ID}" in printed
+    return root / "run", api.root / REPO_ID, api
+
+
+def push_script_main():
+    return runpy.run_path(str(REPO / "scripts" / "push_to_hub.py"))["main"]
+
+
+def test_push_uploads_code_config_weights_tokenizer_and_our_card(pushed):
+    run, remote, api = pushed
+    assert [name for name, _ in api.calls] == ["create_repo", "upload_folder"]
+    assert {path.name for path in remote.iterdir()} == TRAINED_MODEL_FILES
+    assert (remote / "README.md").read_bytes() == (run / "model" / "README.md").read_bytes()
+    card = ModelCard.load(remote / "README.md")
+    assert card.data.model_name == REPO_ID and {"custom_code", "kimi_k3", "moe"} <= set(card.data.tags)
+    assert "Model Card for Model ID" not in card.text and "## Expert load balance" in card.text
+
+
+def test_pushed_folder_reloads_with_remote_code_and_generates_same_tokens(pushed, tmp_path):
+    run, remote, _ = pushed
+    assert generate_in_fresh_process(remote, tmp_path) == sampled_continuation(run / "model")
+
+
+def test_push_script_publishes_checkpoint_with_new_card_and_without_trainer_state(pushed, fake_hub, tmp_path):
+    checkpoint = tmp_path / "checkpoint-2"
+    shutil.copytree(pushed[0] / "checkpoint-2", checkpoint)
+    assert {"optimizer.pt", "rng_state.pth", "trainer_state.json"} <= {path.name for path in checkpoint.iterdir()}
+
+    assert push_script_main()([str(checkpoint), "--hub_model_id", "someone/checkpoint", "--hub_private_repo"]) == 0
+    remote = fake_hub.root / "someone" / "checkpoint"
+    assert {path.name for path in remote.iterdir()} == MODEL_FILES
+    assert fake_hub.calls[0] == ("create_repo", {"private": True, "exist_ok": True})
+    card = ModelCard.load(remote / "README.md")
+    assert "kimi_k3" in card.data.tags and "| total |" in card.text and "## Training" not in card.text
+
+
+@pytest.mark.parametrize(
+    "spoil, message",
+    [
+        (lambda folder: (folder / "modeling_kimi_k3.py").unlink(), "missing ['modeling_kimi_k3.py']"),
+        (lambda folder: (folder / "variants_kimi_k3.py").unlink(), "missing ['variants_kimi_k3.py']"),
+        (lambda folder: (folder / "README.md").write_text("# Model Card for Model ID\n"), "not a Kimi K3 model card"),
+    ],
+    ids=["incomplete folder", "file the model code imports", "generic card"],
+)
+def test_push_refuses_unpublishable_folder_before_creating_the_repo(pushed, fake_hub, tmp_path, spoil, message):
+    folder = tmp_path / "model"
+    shutil.copytree(pushed[0] / "model", folder)
+    spoil(folder)
+    with pytest.raises(hub.HubError, match=re.escape(message)):
+        hub.push_folder(folder, REPO_ID, fake_hub)
+    assert fake_hub.calls == []
+
+
+def test_push_script_without_token_exits_nonzero_naming_offline_mode_first_and_writes_nothing(
+    pushed, tmp_path, monkeypatch, capsys
+):
+    for variable in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    checkpoint = tmp_path / "checkpoint-2"
+    shutil.copytree(pushed[0] / "checkpoint-2", checkpoint)
+    before = sorted(path.name for path in checkpoint.iterdir())
+
+    # No token would help while offline mode refuses every push, so that comes first.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert push_script_main()([str(checkpoint), "--hub_model_id", REPO_ID]) == 2
+    error = capsys.readouterr().err
+    assert error == "kimi-k3-push: error: cannot push while HF_HUB_OFFLINE is set: unset it (or set HF_HUB_OFFLINE=0) and rerun\n"
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    assert push_script_main()([str(checkpoint), "--hub_model_id", REPO_ID]) == 2
+    error = capsys.readouterr().err
+    assert "needs a token: pass --hub_token, set HF_TOKEN" in error
+    assert sorted(path.name for path in checkpoint.iterdir()) == before
+
+
+def test_push_script_publishes_the_card_under_the_repo_id_it_pushes_to(fake_hub, tmp_path):
+    """A folder trained without --hub_model_id: its card named the output folder and loaded the local path."""
+    args = tiny_args(tmp_path / "run", write_corpus(tmp_path), "--max_steps", "2", "--save_steps", "2")
+    assert run_main([*args, "--eval_strategy", "no"])[0] == 0
+    local = ModelCard.load(tmp_path / "run" / "model" / "README.md")
+    assert local.data.model_name == "run" and 'from_pretrained("path/to/model"' in local.text
+
+    assert push_script_main()([str(tmp_path / "run" / "model"), "--hub_model_id", "someone/renamed"]) == 0
+    card = ModelCard.load(fake_hub.root / "someone" / "renamed" / "README.md")
+    assert card.data.model_name == "someone/renamed" and "\n# someone/renamed\n" in card.text
+    assert card.text.count('from_pretrained("someone/renamed", trust_remote_code=True)') == 2
+    assert "path/to/model" not in card.text and "# run" not in card.text
+    assert "## Expert load balance" in card.text and "| optimizer steps | 2 at 4 sequences per step |" in card.text
+
+
+def test_push_script_commits_to_a_new_branch_or_opens_a_pull_request(pushed, fake_hub, capsys):
+    model, push = str(pushed[0] / "model"), push_script_main()
+    assert push([model, "--hub_model_id", REPO_ID, "--hub_revision", "lr-sweep"]) == 0
+    assert fake_hub.calls[1] == ("create_branch", {"branch": "lr-sweep", "exist_ok": True})
+    assert {path.name for path in (fake_hub.root / f"{REPO_ID}@lr-sweep").iterdir()} == TRAINED_MODEL_FILES
+    assert not any((fake_hub.root / REPO_ID).iterdir())  # main untouched
+    assert f"to {REPO_ID}, branch lr-sweep" in capsys.readouterr().out
+
+    assert push([model, "--hub_model_id", REPO_ID, "--create_pr"]) == 0
+    assert push([model, "--hub_model_id", REPO_ID, "--hub_revision", "lr-sweep", "--create_pr"]) == 0
+    uploads = [kwargs for name, kwargs in fake_hub.calls if name == "upload_folder"]
+    assert [(u["revision"], u["create_pr"]) for u in uploads] == [("lr-sweep", False), (None, True), ("lr-sweep", True)]
+    assert {path.name for path in (fake_hub.root / f"{REPO_ID}@refs/pr/2").iterdir()} == TRAINED_MODEL_FILES
+    assert not any((fake_hub.root / REPO_ID).iterdir())
+    printed = capsys.readouterr().out
+    assert f"to {REPO_ID}, pull request https://huggingface.co/{REPO_ID}/discussions/1" in printed
+    assert f"to {REPO_ID}, branch lr-sweep, pull request https://huggingface.co/{REPO_ID}/discussions/2" in printed
+
+
+def test_push_script_sets_the_card_license_and_refuses_an_incomplete_custom_one(pushed, fake_hub, tmp_path, capsys):
+    folder = shutil.copytree(pushed[0] / "model", tmp_path / "model")
+    push = push_script_main()
+    assert push([str(folder), "--hub_model_id", REPO_ID, "--license", "other", "--license_name", "acme-1.0"]) == 2
+    assert "--license other needs --license_name NAME and --license_link URL" in capsys.readouterr().err
+    assert fake_hub.calls == [] and ModelCard.load(folder / "README.md").data.license is None
+
+    link = "https://example.com/acme-1.0.txt"
+    assert push([str(folder), "--hub_model_id", REPO_ID, "--license", "other", "--license_name", "acme-1.0",
+                 "--license_link", link]) == 0  # fmt: skip
+    data = ModelCard.load(fake_hub.root / REPO_ID / "README.md").data
+    assert (data.license, data.license_name, data.license_link) == ("other", "acme-1.0", link)
+    assert push([str(folder), "--hub_model_id", REPO_ID, "--license", "mit"]) == 0
+    data = ModelCard.load(fake_hub.root / REPO_ID / "README.md").data
+    assert (data.license, data.license_name, data.license_link) == ("mit", None, None)
+
+
+@contextlib.contextmanager
+def stand_in_hub(case: str):
+    """The endpoint a push meets: a closed port, or a local server answering every request with an HTTP status, or
+    never within the test ("timeout")."""
+    if case in ("connection refused", "offline"):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        yield f"http://127.0.0.1:{port}"  # nothing listens there any more
+        return
+    release = threading.Event()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def answer(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if case == "timeout":
+                release.wait(10)
+                return
+            status = int(case.split()[0])
+            body = json.dumps({"error": http.HTTPStatus(status).phrase}).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = answer
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
+
+
+PUSH_FAILURES = {
+    "connection refused": ["cannot reach the hub at http://127.0.0.1:", "Connection refused", "check the network"],
+    "timeout": ["did not answer within 0.5 s", "allow more with --timeout"],
+    "401 unauthorized": ["rejected the token (401 Unauthorized)", "pass a valid one with --hub_token", "hf auth login"],
+    "403 forbidden": [f"may not write to {REPO_ID} (403 Forbidden)", "with --hub_token", "with --hub_model_id"],
+    "offline": ["HF_HUB_OFFLINE is set: unset it"],
+}
+
+
+@pytest.mark.parametrize("case", PUSH_FAILURES)
+def test_push_failure_is_one_line_naming_cause_and_the_option_to_change(case, pushed, monkeypatch, capsys):
+    """The real client against a stand-in endpoint: no traceback, one line, exit status 2."""
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", case == "offline")
+    with stand_in_hub(case) as endpoint:
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", endpoint)
+        status = push_script_main()([str(pushed[0] / "model"), "--hub_model_id", REPO_ID, "--timeout", "0.5"])
+    error = capsys.readouterr().err
+    assert status == 2 and len(error.strip().splitlines()) == 1, error
+    assert error.startswith("kimi-k3-push: error: ") and all(part in error for part in PUSH_FAILURES[case]), error
+
+
+def test_push_options_spelled_as_before_work_for_one_release_naming_the_new_spelling(pushed, fake_hub, capsys):
+    old = [str(pushed[0] / "model"), "--repo_id", REPO_ID, "--revision", "lr-sweep", "--private", "--token=hf_x"]
+    assert push_script_main()(old) == 0
+    assert fake_hub.calls[1] == ("create_branch", {"branch": "lr-sweep", "exist_ok": True})
+    warnings = capsys.readouterr().err.strip().splitlines()
+    assert warnings == [f"kimi-k3-push: warning: {before} is now spelled {after}; the old spelling goes away in the next "
+                        "release" for before, after in [("--repo_id", "--hub_model_id"), ("--revision", "--hub_revision"),
+                                                        ("--private", "--hub_private_repo"), ("--token", "--hub_token")]]
+
+
+def test_wheel_ships_card_template_and_renders_card_outside_source_tree(tmp_path):
+    source = tmp_path / "source"  # a copy, so the build leaves no build/ or egg-info behind in the repository
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
+        ".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "outputs", "runs"
+    ))  # fmt: skip
+    build = [sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "-w", str(tmp_path)]
+    built = subprocess.run(build, cwd=source, capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    (wheel,) = tmp_path.glob("kimi_k3-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        assert "kimi_k3/publishing/templates/model_card.md" in archive.namelist()
+        archive.extractall(tmp_path / "site")
+
+    shutil.rmtree(source)  # only the wheel's files remain to import from
+    result = subprocess.run(
+        [sys.executable, "-I", "-c", RENDER_CARD_FROM_WHEEL, str(tmp_path / "site"), json.dumps(TINY_CONFIG)],
+        cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    card = ModelCard(result.stdout)
+    assert card.data.model_name == "wheel-card" and "kimi_k3" in card.data.tags
+    assert "# wheel-card" in card.text and "| total |" in card.text and "## Training" not in card.text
