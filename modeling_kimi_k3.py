@@ -946,13 +946,19 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         return block_sum + self.feed_forward(ffn_input), snapshot
 
 
-def build_variants(layer: KimiK3DecoderLayer, config: KimiK3Config) -> None:
-    """Swap the opt-in Stable LatentMoE variants into ``layer``; the release uses none (``variants_kimi_k3.py``)."""
+def variants_module():
+    """``variants_kimi_k3.py``, the opt-in Stable LatentMoE variants, imported only for a config that enables one:
+    beside this file as remote code, or installed."""
     try:
-        from .variants_kimi_k3 import build_layer_variants
+        from . import variants_kimi_k3
     except ImportError:
-        from variants_kimi_k3 import build_layer_variants
-    build_layer_variants(layer, config)
+        import variants_kimi_k3
+    return variants_kimi_k3
+
+
+def build_variants(layer: KimiK3DecoderLayer, config: KimiK3Config) -> None:
+    """Swap the opt-in Stable LatentMoE variants into ``layer``; the release uses none."""
+    variants_module().build_layer_variants(layer, config)
 
 
 class KimiK3PreTrainedModel(PreTrainedModel):
@@ -966,7 +972,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     _supports_flash_attn = False
     _is_stateful = True
     _keep_in_fp32_modules_strict = [
-        "A_log", "dt_bias", "q_conv1d", "k_conv1d", "v_conv1d", "o_norm", "e_score_correction_bias", "score_quantiles"
+        "A_log", "dt_bias", "q_conv1d", "k_conv1d", "v_conv1d", "o_norm", "e_score_correction_bias"
     ]
     _keys_to_ignore_on_load_unexpected = [r"^vision_tower\.", r"^mm_projector\."]
     # Attention maps come from the MLA layers only, as in transformers' hybrids (Qwen3-Next, Kimi Linear): KDA has
@@ -976,6 +982,11 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         "hidden_states": OutputRecorder(KimiK3DecoderLayer, index=0),
         "attentions": OutputRecorder(KimiK3MLAAttention, index=1),
     }
+
+    def post_init(self):
+        super().post_init()
+        if self.config.enabled_variants:  # a variant's own fp32 tensors, kept so for this model only
+            self._keep_in_fp32_modules_strict.update(variants_module().strict_float32_tensors(self.config))
 
     @classmethod
     def from_pretrained(cls, *args, strict: bool = True, **kwargs):

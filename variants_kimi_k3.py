@@ -41,6 +41,12 @@ except ImportError:
 BASIS_OF_EXPERT_TENSOR = {"gate_up_basis": "gate_up_proj", "down_basis": "down_proj"}
 
 
+def strict_float32_tensors(config: KimiK3Config) -> set[str]:
+    """Names of the variants' tensors that ``from_pretrained(dtype=...)`` keeps fp32 for ``config`` (transformers'
+    ``_keep_in_fp32_modules_strict``): a quantile router's score CDF, whose knots bf16 would merge."""
+    return {"score_quantiles"} if config.router_score_normalization == "quantile" else set()
+
+
 def build_layer_variants(layer: nn.Module, config: KimiK3Config) -> None:
     """Replace the released router, experts and MLA gate projection of ``layer`` by the variants ``config`` enables."""
     _refuse_tensor_and_expert_parallelism(config)

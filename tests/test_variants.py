@@ -140,6 +140,14 @@ def test_quantile_normalization_matches_the_counting_reference_with_ties_and_end
     assert ((expected >= 0) & (expected <= 1)).all()
 
 
+def test_a_16_bit_load_keeps_the_score_cdf_float32_and_the_release_list_does_not_name_it(tmp_path):
+    variant_model(**VARIANTS["quantile"]).save_pretrained(tmp_path)
+    reloaded = KimiK3ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    router = reloaded.model.layers[1].block_sparse_moe.gate
+    assert router.score_quantiles.dtype == torch.float32 and router.weight.dtype == torch.bfloat16
+    assert "score_quantiles" not in variant_model()._keep_in_fp32_modules_strict
+
+
 def test_fresh_quantile_router_selects_as_the_released_router():
     released, quantile = variant_model(), variant_model(**VARIANTS["quantile"])
     released_into(quantile, released)
