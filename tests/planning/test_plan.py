@@ -234,3 +234,32 @@ def test_plan_equals_what_a_real_two_process_run_holds_and_sends(two_process_cou
     assert (measured["quantile_balancing"]["calls"], measured["quantile_balancing"]["payload"]) == (calls, payload)
     # 9 layers - 1 dense = 8 MoE layers of 64 token counts and 64 x 1000 histogram bins, int64.
     assert payload == 8 * 64 * 1001 * 8
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The opt-in Stable LatentMoE variants
+# ---------------------------------------------------------------------------------------------------------------------
+VARIANT_CONFIGS = {
+    "basis+quantile+gate": {"expert_basis_size": 16, "router_score_normalization": "quantile",
+                            "attention_gate_routing": True},
+    "two-level": {"num_coarse_experts": 8, "coarse_experts_per_token": 2},
+    "dynamic-k": {"dynamic_experts_per_token": True},
+}
+
+
+@pytest.mark.parametrize("variant", VARIANT_CONFIGS)
+def test_plan_counts_of_the_variants_equal_the_meta_model_sharded_by_the_real_code(variant):
+    config = KimiK3Config(**VARIANT_CONFIGS[variant])
+    layout, setup = Layout(2, 2), Setup()
+    plan = make_plan(config, layout, setup)
+    assert differences(plan, sharded_run(config, layout, setup, "accelerate")) == []
+
+
+def test_full_size_shared_basis_parameters_follow_the_formula_and_expert_parallelism_is_refused():
+    released, basis = KimiK3Config.kimi_k3(), KimiK3Config.kimi_k3(expert_basis_size=224)
+    total = {name: sum(spec.numel for spec in model_inventory(c).specs) for name, c in (("released", released),
+                                                                                      ("basis", basis))}
+    experts, expert_size, moe_layers = 896, 3 * 3072 * 3584, 92
+    assert total["released"] - total["basis"] == moe_layers * (experts * expert_size - (224 * expert_size + 2 * experts * 224))
+    with pytest.raises(PlanError, match="`ep` must be 1 with shared-basis experts"):
+        make_plan(basis, Layout(64, 64, ep=8), Setup())
