@@ -43,6 +43,7 @@ from kimi_k3.job.final_save import (
     same_weights,
     save_final_model,
     training_summary,
+    weights_as_evaluated,
     write_file_atomically,
 )
 from kimi_k3.job.resumable import ResumableCallback, TrainingClock
@@ -152,10 +153,11 @@ def run(trainer, model_args, data_args, blocks, data_description, checkpoint, pu
     card = render_model_card(trainer.model, name, summary, layer_balance, metadata,
                              expert_load.PNG_NAME if picture else None,
                              local_folder=None if publish else local_folder_name(model_dir))
-    model_dir = save_final_model(
-        trainer.model, trainer.processing_class, card, model_dir, trainer.staging_tag, model_args.final_layout,
-        {expert_load.PNG_NAME: picture} if picture else None,
-    )
+    with weights_as_evaluated(model_args, trainer.model):
+        model_dir = save_final_model(
+            trainer.model, trainer.processing_class, card, model_dir, trainer.staging_tag, model_args.final_layout,
+            {expert_load.PNG_NAME: picture} if picture else None,
+        )
     if picture:
         write_file_atomically(model_dir.parent / expert_load.PNG_NAME, picture, trainer.staging_tag)
     print_report(summary, model_dir)
