@@ -1052,7 +1052,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
         inputs_embeds = self._input_embeddings(input_ids, inputs_embeds)
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
-        _check_cache_type(cache)
+        _check_cache_type(cache, self.config, inputs_embeds.device)
         past_length = cache.get_seq_length() if cache is not None else 0
         self._check_lengths(inputs_embeds, attention_mask, cache, past_length)
         document_starts = packed_document_starts(inputs_embeds, attention_mask, position_ids, kwargs)
@@ -1159,14 +1159,30 @@ def _check_continues_the_cache(document_starts: torch.Tensor, packing: dict) -> 
         )
 
 
-def _check_cache_type(cache: Cache | None) -> None:
+def _check_cache_type(cache: Cache | None, config, device: torch.device) -> None:
     """KDA layers keep a recurrent state and short-conv windows, which only transformers' DynamicCache (built with
-    the model config) holds; fixed-size caches (``cache_implementation="static"`` and the other static kinds) do not."""
-    if cache is not None and not isinstance(cache, DynamicCache):
+    the model config) holds; fixed-size caches (``cache_implementation="static"`` and the other static kinds) do not.
+    Its offloading variant synchronises CUDA streams, and its token count lives in attention (MLA) layers."""
+    if cache is None:
+        return
+    if not isinstance(cache, DynamicCache):
         raise ValueError(
             f"Kimi K3 decodes with a `DynamicCache(config=model.config)` (the hybrid KDA + MLA cache); got "
-            f"{type(cache).__name__}. In `generate`, leave `cache_implementation` unset or use 'dynamic' or "
-            "'offloaded'; static caches (e.g. `cache_implementation=\"static\"` for torch.compile) are not supported."
+            f"{type(cache).__name__}. In `generate`, leave `cache_implementation` unset or use 'dynamic' (or "
+            "'offloaded' on a CUDA device); static caches (e.g. `cache_implementation=\"static\"` for torch.compile) "
+            "are not supported."
+        )
+    if getattr(cache, "offloading", False) and device.type != "cuda":
+        raise ValueError(
+            f"`cache_implementation=\"offloaded\"` pages the cache between a CUDA device and the CPU through CUDA "
+            f"streams, and the model is on {device.type}, where the cache already lives in host memory: leave "
+            "`cache_implementation` unset."
+        )
+    if not config.mla_layer_indices:
+        raise ValueError(
+            "This model has no MLA layer (`linear_attn_config.full_attn_layers` is empty) and transformers' cache "
+            "counts tokens in attention layers only: call it with `use_cache=False` (`generate` then runs full "
+            "forwards)."
         )
 
 

@@ -675,7 +675,8 @@ BAD_INPUTS = {
     "negative qk_clip_tau": (lambda run, tmp: ["--qk_clip_tau", "-1"], "--qk_clip_tau must be a number > 0"),
     "NaN qk_clip_tau": (lambda run, tmp: ["--qk_clip_tau", "nan"], "--qk_clip_tau must be a number > 0"),
     "QK-Clip without MLA layers": (
-        lambda run, tmp: ["--config_overrides", json.dumps({**TINY_MODEL, "linear_attn_config": ALL_KDA})],
+        lambda run, tmp: ["--config_overrides", json.dumps({**TINY_MODEL, "linear_attn_config": ALL_KDA,
+                                                            "use_cache": False})],
         "the model has no MLA (full_attention) layer; pass --qk_clip_tau none",
     ),
     "0-byte text file": (lambda run, tmp: ["--data_files", str(write_bytes(tmp, "empty.txt", b""))], "empty.txt is empty (0 bytes)"),
