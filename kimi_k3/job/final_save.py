@@ -72,7 +72,7 @@ def training_summary(trainer, model_args, data_description, blocks, block_size, 
         block_size=block_size,
         steps=trainer.state.global_step,
         global_batch_size=global_batch_size,
-        optimizer="Per-Head Muon + AdamW" if model_args.optimizer == "per_head_muon" else f"AdamW ({args.optim})",
+        optimizer=describe_optimizer(model_args, args),
         learning_rate=args.learning_rate,
         router_balancing="quantile_balancing" if model_args.quantile_balancing else "none",
         first_loss=losses[0] if losses else math.nan,
@@ -87,6 +87,12 @@ def training_summary(trainer, model_args, data_description, blocks, block_size, 
         qk_clip=describe_qk_clip(model_args),
         packing=packing,
     )
+
+
+def describe_optimizer(model_args: ModelArguments, args) -> str:
+    if model_args.optimizer == "per_head_muon":
+        return "Per-Head Muon + AdamW"
+    return f"Trainer's `{args.optim.value}` (--optim)"
 
 
 def describe_qat(model_args: ModelArguments) -> str:

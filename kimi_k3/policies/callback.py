@@ -4,6 +4,8 @@ The policy itself updates from a step hook of the optimizer (`Attachment.run_aft
 does nothing at steps: under ``Trainer`` the policy acts exactly as in a plain ``torch`` loop or an accelerate loop.
 """
 
+import warnings
+
 from transformers import TrainerCallback
 
 
@@ -17,6 +19,7 @@ class PolicyCallback(TrainerCallback):
     def __init__(self, policy=None):
         self.policy = policy
         self.attachment = None
+        self.ahead_of_reporting = False
 
     def policy_for(self, model):
         """The policy to attach to the Trainer's ``model``."""
@@ -28,6 +31,7 @@ class PolicyCallback(TrainerCallback):
             raise ValueError(f"{type(self).__name__} updates after each optimizer step, and the Trainer gave it none")
         self.policy = self.policy_for(model)
         self.attachment = self.policy.attach(optimizer, model)
+        self._warn_if_reporting_misses_the_metrics(args)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.detach()
@@ -53,4 +57,25 @@ class PolicyCallback(TrainerCallback):
         if self in callbacks:
             callbacks.remove(self)
         callbacks.insert(1, self)
+        self.ahead_of_reporting = True
         return self
+
+    def _warn_if_reporting_misses_the_metrics(self, args) -> None:
+        """Trainer puts ``callbacks=[...]`` after its ``report_to`` integrations, which then log before the metrics
+        join the logs: say so rather than leave TensorBoard (or W&B, ...) silently without them."""
+        integrations = [name for name in args.report_to or [] if name != "none"]
+        if integrations and not self.ahead_of_reporting:
+            warnings.warn(
+                f"{type(self).__name__}'s metrics reach the console and trainer_state.json but not report_to "
+                f"{integrations}, which log before it: register it with `callback.attach(trainer)` or "
+                "`place_ahead_of_reporting(trainer)` (kimi_k3.policies.callback) before training.",
+                stacklevel=2,
+            )
+
+
+def place_ahead_of_reporting(trainer) -> None:
+    """Move every `PolicyCallback` of ``trainer`` ahead of its ``report_to`` integrations, keeping their order, so
+    that TensorBoard, W&B and the others log the policies' metrics too."""
+    policies = [callback for callback in trainer.callback_handler.callbacks if isinstance(callback, PolicyCallback)]
+    for callback in reversed(policies):
+        callback.attach(trainer)

@@ -22,6 +22,7 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoTokenizer, TrainerState
 
 from kimi_k3.checkpoint import run_folder
@@ -642,11 +643,35 @@ def test_read_only_output_folder_is_refused_before_training(trained, tmp_path, c
 def test_adamw_without_quantile_balancing_trains_and_leaves_router_bias_at_zero(trained, tmp_path):
     extra = ["--optimizer", "adamw", "--no_quantile_balancing", "--max_steps", "2"]
     assert run_main(tiny_args(tmp_path / "run", trained[1], *extra))[0] == 0
-    assert "AdamW" in (tmp_path / "run" / "model" / "README.md").read_text()
+    assert "| optimizer | Trainer's `adamw_torch" in (tmp_path / "run" / "model" / "README.md").read_text()
     saved = weights(tmp_path / "run" / "model")
     biases = [tensor for key, tensor in saved.items() if key.endswith("e_score_correction_bias")]
     assert len(biases) == 8 and all(torch.count_nonzero(bias) == 0 for bias in biases)
     assert "router balancing | none" in (tmp_path / "run" / "model" / "README.md").read_text()
+
+
+def test_optim_alone_trains_with_that_trainer_optimizer_and_the_card_names_it(trained, tmp_path, monkeypatch):
+    created = []
+    create_optimizer = KimiK3Trainer.create_optimizer
+    monkeypatch.setattr(KimiK3Trainer, "create_optimizer",
+                        lambda self: created.append(type(create_optimizer(self)).__name__) or self.optimizer)
+    assert run_main(tiny_args(tmp_path / "run", trained[1], "--optim", "adafactor", "--max_steps", "2"))[0] == 0
+    assert created == ["Adafactor"]
+    card = (tmp_path / "run" / "model" / "README.md").read_text()
+    assert "| optimizer | Trainer's `adafactor` (--optim), peak learning rate 0.01 |" in card
+
+
+def test_report_to_tensorboard_receives_the_balance_and_qk_clip_metrics_of_every_logged_step(trained, tmp_path):
+    assert run_main(tiny_args(tmp_path / "run", trained[1], "--report_to", "tensorboard", "--max_steps", "3"))[0] == 0
+    (events,) = (tmp_path / "run" / "runs").iterdir()  # Trainer's default logging folder
+    accumulator = EventAccumulator(str(events))
+    accumulator.Reload()
+    logged = json.loads((tmp_path / "run" / "checkpoint-3" / "trainer_state.json").read_text())["log_history"]
+    train_logs = [entry for entry in logged if "loss" in entry]
+    assert len(train_logs) == 3
+    for key in ("balance/max_vio", "balance/cv", "qk_clip/max_logit", "qk_clip/clipped_heads"):
+        reported = [event.value for event in accumulator.Scalars(f"train/{key}")]
+        assert reported == pytest.approx([entry[key] for entry in train_logs], rel=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -702,6 +727,10 @@ BAD_INPUTS = {
     ),
     "string config value": (
         lambda run, tmp: ["--config_overrides", '{"rms_norm_eps": "1e-6"}'], "`rms_norm_eps` must be a number, got '1e-6' (str)"
+    ),
+    "--optim with Per-Head Muon": (
+        lambda run, tmp: ["--optimizer", "per_head_muon", "--optim", "adafactor"],
+        "--optim adafactor chooses Trainer's optimizer, which --optimizer per_head_muon replaces: pass --optimizer adamw",
     ),
     "string routed scaling factor": (
         lambda run, tmp: ["--config_overrides", '{"routed_scaling_factor": "2.5"}'], "`routed_scaling_factor` must be a number"
