@@ -17,6 +17,7 @@ contributors are in the repository's ``docs/design.md``.
 """
 
 import math
+import os
 from collections.abc import Callable
 from functools import partial
 
@@ -42,6 +43,8 @@ try:
     from .checkpoint_format_kimi_k3 import (
         STRICT_LOADING,
         fuse_per_expert_weights,
+        hub_model_card,
+        is_generic_card,
         load_checkpoint,
         register_expert_layout,
     )
@@ -50,6 +53,8 @@ except ImportError:
     from checkpoint_format_kimi_k3 import (
         STRICT_LOADING,
         fuse_per_expert_weights,
+        hub_model_card,
+        is_generic_card,
         load_checkpoint,
         register_expert_layout,
     )
@@ -986,6 +991,14 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         return load_checkpoint(
             PreTrainedModel._load_pretrained_model, model, state_dict, checkpoint_files, load_config, expected_keys
         )
+
+    def _upload_modified_files(self, working_dir, repo_id, *args, **kwargs):
+        """``push_to_hub`` uploads a Kimi K3 card (`hub_model_card`) where transformers has just written its generic
+        template; a card the repository already had is kept."""
+        readme = os.path.join(working_dir, "README.md")
+        if is_generic_card(readme):
+            hub_model_card(self, repo_id).save(readme)
+        return super()._upload_modified_files(working_dir, repo_id, *args, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

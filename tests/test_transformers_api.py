@@ -17,6 +17,7 @@ import pytest
 import torch
 import transformers
 from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel, Trainer
+from transformers.utils import PushToHubMixin
 
 import configuration_kimi_k3
 import modeling_kimi_k3
@@ -115,6 +116,11 @@ BORROWED_API = [
         and module_has("transformers.integrations", "use_experts_implementation")()
         and module_has("transformers.initialization", "copy_", "normal_", "zeros_")(),
     ),
+    # transformers' push: the one step between writing its generic card template and uploading the folder.
+    BorrowedApi("PushToHubMixin._upload_modified_files",
+                "model.push_to_hub uploads a Kimi K3 card (hub_model_card) where transformers wrote its template",
+                lambda: parameters(PushToHubMixin._upload_modified_files)[:3] == ["self", "working_dir", "repo_id"]
+                and "self._upload_modified_files(" in inspect.getsource(PushToHubMixin.push_to_hub)),
     # torch's state-dict hook: the released per-expert keys load into the fused expert tensors under plain
     # load_state_dict (Trainer resume), which has no public per-module hook with the same reach.
     BorrowedApi("torch.nn.Module._load_from_state_dict", "experts accept released per-expert keys",

@@ -281,6 +281,7 @@ def publish_settings(training_args: TrainingArguments) -> Publish | None:
         return None
     token = hub.resolve_token(training_args.hub_token)
     repo_id = training_args.hub_model_id or Path(training_args.output_dir).name
+    hub.check_token(token, repo_id)
     training_args.push_to_hub = False
     return Publish(repo_id, token, training_args.hub_revision, training_args.hub_private_repo)
 

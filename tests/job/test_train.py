@@ -380,6 +380,7 @@ def test_run_without_matplotlib_or_network_says_so_once_and_keeps_the_model(trai
     for name in ("matplotlib", "matplotlib.figure"):
         monkeypatch.setitem(sys.modules, name, None)  # `import matplotlib` now raises ImportError
     monkeypatch.setenv("HF_TOKEN", "hf_test_token")  # HF_HUB_OFFLINE=1 (conftest) makes the push fail
+    monkeypatch.setattr(train.hub, "check_token", lambda *args: None)  # as if the network dropped after the check
     extra = ["--max_steps", "2", "--save_steps", "2", "--eval_strategy", "no", "--hub_model_id", "someone/tiny"]
     status, printed = run_main(tiny_args(tmp_path / "run", trained[1], *extra))
     assert status == 1 and printed.count(PLOT_EXTRA) == 1
@@ -691,6 +692,9 @@ BAD_INPUTS = {
         "vocab_size is 300",
     ),
     "hub id without a token": (lambda run, tmp: ["--hub_model_id", "someone/kimi-k3-tiny"], "needs a token: pass --hub_token"),
+    "license that is not a hub id": (
+        lambda run, tmp: ["--license", "apache2"], "license 'apache2' is not a hub license identifier; did you mean 'apache-2.0'?"
+    ),
     "custom license without a link": (
         lambda run, tmp: ["--license", "other", "--license_name", "acme"], "--license other needs --license_name NAME"
     ),
