@@ -18,6 +18,7 @@ from kimi_k3.checkpoint.release_format import checkpoint_shard_files, export_rel
 from kimi_k3.job import expert_load
 from kimi_k3.job.arguments import ModelArguments, parse_qk_clip_tau
 from kimi_k3.job.expert_load import ExpertLoadRecorder
+from kimi_k3.job.launch import describe_autocast, describe_parallelism
 from kimi_k3.job.resumable import TrainingClock
 from kimi_k3.job.trainer import SaveError, batch_size, save_failure
 from kimi_k3.policies.balance_metrics import load_balance_metrics
@@ -86,6 +87,8 @@ def training_summary(trainer, model_args, data_description, blocks, block_size, 
         weights_on_disk=describe_weights_on_disk(model_args, trainer.model),
         qk_clip=describe_qk_clip(model_args),
         packing=packing,
+        parallelism=describe_parallelism(trainer),
+        autocast=describe_autocast(trainer),
     )
 
 

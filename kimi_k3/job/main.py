@@ -34,6 +34,7 @@ from kimi_k3.job.arguments import (
     resolve_checkpoint,
 )
 from kimi_k3.job.expert_load import ExpertLoadRecorder
+from kimi_k3.job.launch import announce_parallelism
 from kimi_k3.job.final_save import (
     FINAL_MODEL_DIR,
     expert_load_picture,
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             optimizer_cls_and_kwargs, callbacks = optimizer_and_callbacks(model_args, training_args, model, qk_clip_tau)
             callbacks.append(TrainingClock(start))
             trainer = build_trainer(model, tokenizer, blocks, training_args, optimizer_cls_and_kwargs, callbacks)
+            announce_parallelism(trainer)
         except ValueError as error:
             print(f"kimi-k3-train: error: {error}", file=sys.stderr)
             return 2

@@ -81,6 +81,9 @@ class TrainingSummary:
     qk_clip: str = "off"
     # `kimi_k3.text.corpus.PACKING_MODES`: whether the blocks kept their document boundaries.
     packing: str = "documents"
+    # What accelerate ran: how the processes shared the model, and the autocast of the forward and backward.
+    parallelism: str = "one process"
+    autocast: str = "none (fp32 compute)"
 
 
 def parameter_counts(model: torch.nn.Module) -> dict[str, int]:

@@ -326,6 +326,7 @@ def test_model_card_states_metadata_parameter_counts_and_results(trained):
     assert "| QK-Clip | tau = 100 |" in card.text and "| quantization-aware training | none |" in card.text
     assert "| weights on disk | this project's layout, float32 |" in card.text
     assert "| packing | documents: each block keeps its document boundaries" in card.text
+    assert "| parallelism | one CPU process |" in card.text and "| autocast | none (fp32 compute) |" in card.text
 
 
 def test_model_card_shows_no_local_path_and_a_usage_snippet_that_loads(trained, tmp_path, monkeypatch):
