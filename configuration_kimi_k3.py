@@ -49,6 +49,8 @@ AUTO_MAP = {
     "AutoConfig": "configuration_kimi_k3.KimiK3Config",
     "AutoModel": "modeling_kimi_k3.KimiK3Model",
     "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForCausalLM",
+    "AutoModelForSequenceClassification": "modeling_kimi_k3.KimiK3ForSequenceClassification",
+    "AutoModelForTokenClassification": "modeling_kimi_k3.KimiK3ForTokenClassification",
 }
 # Keys of the released multimodal wrapper that describe the vision side, the wrapper's own remote-code classes or
 # serving-time quantization only.

@@ -30,7 +30,11 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
-from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_layers import (
+    GenericForSequenceClassification,
+    GenericForTokenClassification,
+    GradientCheckpointingLayer,
+)
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
 from transformers.processing_utils import Unpack
@@ -1275,18 +1279,63 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
         )
 
 
-register_expert_layout("KimiK3ForCausalLM", "KimiK3Model")
+class KimiK3TaskHead:
+    """What transformers' generic task heads need from a Kimi K3 model: their ``AutoModel.from_config`` finds
+    `KimiK3Model` (registered for the config's class, which under remote code is its own module's copy, so no
+    remote-code lookup happens), and loading a causal-LM folder initialises the new ``score`` head and leaves
+    ``lm_head`` unread, while a missing base-model tensor is still refused by strict loading."""
+
+    _keys_to_ignore_on_load_missing = ["score.weight", "score.bias"]
+    _keys_to_ignore_on_load_unexpected = [*KimiK3PreTrainedModel._keys_to_ignore_on_load_unexpected, r"^lm_head\."]
+
+    def __init__(self, config: KimiK3Config):
+        from transformers import AutoModel
+
+        AutoModel.register(type(config), KimiK3Model, exist_ok=True)
+        super().__init__(config)
+
+
+class KimiK3ForSequenceClassification(KimiK3TaskHead, GenericForSequenceClassification, KimiK3PreTrainedModel):
+    """One label (or regression value) per sequence, scored at its last non-padding token (transformers' generic
+    head, as for its own decoder models)."""
+
+
+class KimiK3ForTokenClassification(KimiK3TaskHead, GenericForTokenClassification, KimiK3PreTrainedModel):
+    """One label per token (transformers' generic head)."""
+
+
+register_expert_layout(
+    "KimiK3ForCausalLM", "KimiK3Model", "KimiK3ForSequenceClassification", "KimiK3ForTokenClassification"
+)
 KimiK3Model.register_for_auto_class("AutoModel")
 KimiK3ForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+KimiK3ForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
+KimiK3ForTokenClassification.register_for_auto_class("AutoModelForTokenClassification")
 
 
 def register_auto_classes() -> None:
-    """Make ``AutoConfig``/``AutoModel``/``AutoModelForCausalLM`` resolve ``model_type="kimi_k3"`` without remote code."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    """Make ``AutoConfig`` and the Auto model classes (base, causal LM, sequence and token classification) resolve
+    ``model_type="kimi_k3"`` without remote code."""
+    from transformers import (
+        AutoConfig,
+        AutoModel,
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+    )
 
     AutoConfig.register(KimiK3Config.model_type, KimiK3Config, exist_ok=True)
     AutoModel.register(KimiK3Config, KimiK3Model, exist_ok=True)
     AutoModelForCausalLM.register(KimiK3Config, KimiK3ForCausalLM, exist_ok=True)
+    AutoModelForSequenceClassification.register(KimiK3Config, KimiK3ForSequenceClassification, exist_ok=True)
+    AutoModelForTokenClassification.register(KimiK3Config, KimiK3ForTokenClassification, exist_ok=True)
 
 
-__all__ = ["KimiK3PreTrainedModel", "KimiK3Model", "KimiK3ForCausalLM", "register_auto_classes"]
+__all__ = [
+    "KimiK3PreTrainedModel",
+    "KimiK3Model",
+    "KimiK3ForCausalLM",
+    "KimiK3ForSequenceClassification",
+    "KimiK3ForTokenClassification",
+    "register_auto_classes",
+]
