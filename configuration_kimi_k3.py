@@ -363,7 +363,7 @@ class KimiK3Config(PreTrainedConfig):
 
     # ------------------------------------------------------------------ checks that hold after construction
     def __setattr__(self, key, value):
-        if KimiK3Config._is_checked_field(self, key) and self.__dict__.get("_post_init_done"):
+        if self._is_checked_field(key) and self.__dict__.get("_post_init_done"):
             self._assign_checked({key: value})
         else:
             super().__setattr__(key, value)

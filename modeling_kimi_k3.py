@@ -24,6 +24,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import AutoModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
@@ -1289,8 +1290,6 @@ class KimiK3TaskHead:
     _keys_to_ignore_on_load_unexpected = [*KimiK3PreTrainedModel._keys_to_ignore_on_load_unexpected, r"^lm_head\."]
 
     def __init__(self, config: KimiK3Config):
-        from transformers import AutoModel
-
         AutoModel.register(type(config), KimiK3Model, exist_ok=True)
         super().__init__(config)
 
@@ -1318,7 +1317,6 @@ def register_auto_classes() -> None:
     ``model_type="kimi_k3"`` without remote code."""
     from transformers import (
         AutoConfig,
-        AutoModel,
         AutoModelForCausalLM,
         AutoModelForSequenceClassification,
         AutoModelForTokenClassification,
