@@ -1227,7 +1227,11 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
 
     def generate(self, *args, **kwargs):
         """``GenerationMixin.generate``, refusing packed prompts: it decodes one sequence per row, and a row of packed
-        documents would continue its last document with the others' tokens in the cache."""
+        documents would continue its last document with the others' tokens in the cache. A model of KDA layers alone
+        is refused a cache here, before transformers asks that cache for its length."""
+        generation_config = kwargs.get("generation_config") or self.generation_config
+        if not self.config.mla_layer_indices and kwargs.get("use_cache", generation_config.use_cache):
+            _check_cache_type(DynamicCache(config=self.config), self.config, self.device)
         position_ids = kwargs.get("position_ids")
         restarting = (
             isinstance(position_ids, torch.Tensor)

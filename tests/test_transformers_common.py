@@ -9,7 +9,7 @@ import copy
 import os
 import tempfile
 import unittest
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from unittest import mock
 
 import pytest
@@ -35,6 +35,7 @@ except SuiteUnavailable as unavailable:
     pytest.skip(f"transformers' model tests are not available here: {unavailable}", allow_module_level=True)
 
 from transformers.models.auto import modeling_auto  # noqa: E402
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
 from transformers_tests.test_configuration_common import ConfigTester  # noqa: E402
 from transformers_tests.test_modeling_common import ModelTesterMixin, ids_tensor, random_attention_mask  # noqa: E402
 from transformers_tests.test_training_mixin import TrainingTesterMixin  # noqa: E402
@@ -94,6 +95,20 @@ def lenient_loading():
         return strict_from_pretrained(cls, *args, **{"strict": False, **kwargs})
 
     with mock.patch.object(KimiK3PreTrainedModel, "from_pretrained", classmethod(from_pretrained)):
+        yield
+
+
+@contextmanager
+def registered_with_auto_classes():
+    """The Kimi K3 classes in transformers' Auto mappings for the duration, as `register_auto_classes` puts them: some
+    mixin tests load through the Auto classes without remote code. Other tests then see the mappings unchanged."""
+    mappings = [CONFIG_MAPPING, modeling_auto.MODEL_MAPPING, modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING,
+                modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
+                modeling_auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING]
+    with ExitStack() as stack:
+        for mapping in mappings:
+            stack.enter_context(mock.patch.dict(mapping._extra_content))
+        modeling_kimi_k3.register_auto_classes()
         yield
 
 
@@ -162,8 +177,7 @@ class KimiK3ModelTest(ModelTesterMixin, TrainingTesterMixin, unittest.TestCase):
             super().test_can_init_all_missing_weights()
 
     def test_load_with_mismatched_shapes(self):
-        modeling_kimi_k3.register_auto_classes()  # the mixin loads through the Auto classes, without remote code
-        with lenient_loading():
+        with registered_with_auto_classes(), lenient_loading():
             super().test_load_with_mismatched_shapes()
 
     def test_can_load_ignoring_mismatched_shapes(self):
