@@ -7,6 +7,7 @@ does nothing at steps: under ``Trainer`` the policy acts exactly as in a plain `
 import warnings
 
 from transformers import TrainerCallback
+from transformers.integrations import get_reporting_integration_callbacks
 
 
 class PolicyCallback(TrainerCallback):
@@ -63,19 +64,26 @@ class PolicyCallback(TrainerCallback):
     def _warn_if_reporting_misses_the_metrics(self, args) -> None:
         """Trainer puts ``callbacks=[...]`` after its ``report_to`` integrations, which then log before the metrics
         join the logs: say so rather than leave TensorBoard (or W&B, ...) silently without them."""
-        integrations = [name for name in args.report_to or [] if name != "none"]
+        report_to = [args.report_to] if isinstance(args.report_to, str) else args.report_to or []
+        integrations = [name for name in report_to if name != "none"]
         if integrations and not self.ahead_of_reporting:
             warnings.warn(
                 f"{type(self).__name__}'s metrics reach the console and trainer_state.json but not report_to "
-                f"{integrations}, which log before it: register it with `callback.attach(trainer)` or "
-                "`place_ahead_of_reporting(trainer)` (kimi_k3.policies.callback) before training.",
+                f"{integrations}, which log before it: register it with `callback.attach(trainer)`, or call "
+                "`report_after_every_callback(trainer)` (kimi_k3.policies.callback), before training.",
                 stacklevel=2,
             )
 
 
-def place_ahead_of_reporting(trainer) -> None:
-    """Move every `PolicyCallback` of ``trainer`` ahead of its ``report_to`` integrations, keeping their order, so
-    that TensorBoard, W&B and the others log the policies' metrics too."""
-    policies = [callback for callback in trainer.callback_handler.callbacks if isinstance(callback, PolicyCallback)]
-    for callback in reversed(policies):
-        callback.attach(trainer)
+def report_after_every_callback(trainer) -> None:
+    """Move ``trainer``'s ``report_to`` integrations behind all its other callbacks, each group keeping its order, so
+    that TensorBoard, W&B and the others log what any callback adds to the logs, the policies' metrics among them.
+    The other callbacks keep their order, which decides whose optimizer step hooks run first."""
+    reporting = tuple(get_reporting_integration_callbacks(trainer.args.report_to))
+    callbacks = trainer.callback_handler.callbacks
+    callbacks[:] = [callback for callback in callbacks if not isinstance(callback, reporting)] + [
+        callback for callback in callbacks if isinstance(callback, reporting)
+    ]
+    for callback in callbacks:
+        if isinstance(callback, PolicyCallback):
+            callback.ahead_of_reporting = True

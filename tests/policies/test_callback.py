@@ -8,6 +8,7 @@ from transformers import Trainer, TrainingArguments
 
 from kimi_k3.attachments.seams import find_routers
 from kimi_k3.optim.muon import PerHeadMuon
+from kimi_k3.policies.callback import report_after_every_callback
 from kimi_k3.policies.qk_clip import QKClip, QKClipCallback
 from kimi_k3.policies.quantile_balancing import QuantileBalancing, QuantileBalancingCallback
 from modeling_kimi_k3 import KimiK3ForCausalLM
@@ -94,20 +95,26 @@ def tensorboard_scalars(folder) -> dict[str, list[float]]:
     return {tag: [event.value for event in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
 
 
-def tensorboard_trainer(config, folder):
+def tensorboard_trainer(config, folder, callbacks=lambda model: []):
     model = new_model(config)
     args = TrainingArguments(
         output_dir=str(folder), max_steps=STEPS, per_device_train_batch_size=BATCH, logging_steps=1,
         save_strategy="no", report_to="tensorboard", use_cpu=True, disable_tqdm=True, seed=0,
     )  # fmt: skip
-    return model, Trainer(model=model, args=args, train_dataset=token_rows(config))
+    return model, Trainer(model=model, args=args, train_dataset=token_rows(config), callbacks=callbacks(model))
 
 
-def test_plain_trainer_reports_balance_and_qk_clip_metrics_to_tensorboard(tmp_path, monkeypatch):
+@pytest.mark.parametrize("registration", ["callback.attach(trainer)", "report_after_every_callback(trainer)"])
+def test_plain_trainer_reports_balance_and_qk_clip_metrics_to_tensorboard(registration, tmp_path, monkeypatch):
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "events"))
-    model, trainer = tensorboard_trainer(four_layer_config(), tmp_path)
-    QKClipCallback(TAU).attach(trainer)
-    QuantileBalancingCallback(model).attach(trainer)
+    policies = lambda model: [QKClipCallback(TAU), QuantileBalancingCallback(model)]  # noqa: E731
+    if registration == "callback.attach(trainer)":
+        model, trainer = tensorboard_trainer(four_layer_config(), tmp_path)
+        for callback in policies(model):
+            callback.attach(trainer)
+    else:
+        model, trainer = tensorboard_trainer(four_layer_config(), tmp_path, policies)
+        report_after_every_callback(trainer)
     trainer.train()
     scalars = tensorboard_scalars(tmp_path / "events")
     train_logs = [entry for entry in trainer.state.log_history if "loss" in entry]
