@@ -383,3 +383,19 @@ def test_qat_job_folder_reloads_as_its_own_mxfp4_export_with_the_cards_eval_loss
     card = (folder / "README.md").read_text()
     assert f"| final eval loss | {run_eval_loss:.3f} |" in card
     assert "routed experts on the MXFP4 grid (the checkpoints keep the masters)" in card
+
+
+def test_qat_refuses_shared_basis_experts_in_one_line():
+    with pytest.raises(ValueError, match=r"^QAT mxfp4 fake-quantizes each routed expert's own weight tensors; "
+                                         r"shared-basis experts \(expert_basis_size\)"):
+        attach_qat(KimiK3ForCausalLM(tiny_config(expert_basis_size=2, routed_expert_hidden_size=32,
+                                                 moe_intermediate_size=32)))
+
+
+def test_qat_trains_the_released_experts_of_the_routing_variants(ids):
+    model = KimiK3ForCausalLM(tiny_config(dynamic_experts_per_token=True, routed_expert_hidden_size=32,
+                                          moe_intermediate_size=32))
+    handle = attach_qat(model)
+    assert len(handle.experts) == model.config.mlp_layer_types.count("sparse")
+    model(ids, labels=ids).loss.backward()
+    assert model.model.layers[1].block_sparse_moe.experts.gate_up_proj.grad.abs().max() > 0
