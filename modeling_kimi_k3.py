@@ -19,6 +19,7 @@ a ``KimiK3GLUActivation`` (fused kernels replace its forward), and each MLA laye
 
 import math
 import os
+import sys
 from collections.abc import Callable
 from functools import partial
 
@@ -958,12 +959,13 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
 
 def variants_module():
     """``variants_kimi_k3.py``, the opt-in Stable LatentMoE variants, imported only for a config that enables one:
-    beside this file as remote code, or installed."""
+    beside this file as remote code, or installed. Spelt ``from .variants_kimi_k3 import ...``: transformers' scan for
+    the files ``save_pretrained`` copies beside this one recognises that form, not ``from . import ...``."""
     try:
-        from . import variants_kimi_k3
+        from .variants_kimi_k3 import build_layer_variants
     except ImportError:
-        import variants_kimi_k3
-    return variants_kimi_k3
+        from variants_kimi_k3 import build_layer_variants
+    return sys.modules[build_layer_variants.__module__]
 
 
 def build_variants(layer: KimiK3DecoderLayer, config: KimiK3Config) -> None:
