@@ -66,8 +66,8 @@ def test_head_loading_still_refuses_a_folder_missing_a_base_model_tensor(causal_
     tensors = load_file(causal_lm_folder / "model.safetensors")
     del tensors["model.norm.weight"]
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    for name in ("config.json", "configuration_kimi_k3.py", "modeling_kimi_k3.py", "checkpoint_format_kimi_k3.py"):
-        (folder / name).write_bytes((causal_lm_folder / name).read_bytes())
+    for source in [causal_lm_folder / "config.json", *causal_lm_folder.glob("*.py")]:  # the folder's code, as saved
+        (folder / source.name).write_bytes(source.read_bytes())
     with pytest.raises(ValueError, match=r"1 text tensor\(s\) do not match the model: missing model.norm.weight"):
         AutoModelForSequenceClassification.from_pretrained(folder, trust_remote_code=True, num_labels=2)
 
