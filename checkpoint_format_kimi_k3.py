@@ -14,9 +14,12 @@ released-layout folder loads with ``trust_remote_code`` alone. It imports only t
   text part is ``text_config``, text tensors under ``language_model.``, routed experts as MXFP4 ``weight_packed`` /
   ``weight_scale`` pairs, KDA ``A_log`` zero-padded to head_dim. Loading checks every tensor first
   (`match_checkpoint_tensors`), then reads through load-only transforms (`released_layout_transforms`).
+- **Published folders**: `hub_model_card` is the card ``model.push_to_hub`` uploads in place of transformers' generic
+  template: the Kimi K3 card of the folder the model was loaded from, else a short one with the hub metadata.
 """
 
 import contextvars
+import os
 import re
 from collections import Counter
 from collections.abc import Callable
@@ -25,6 +28,7 @@ from functools import partial
 from typing import NamedTuple
 
 import torch
+from huggingface_hub import ModelCard, ModelCardData
 from safetensors import SafetensorError, safe_open
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import Concatenate, ConversionOps, MergeModulelist, PrefixChange, WeightConverter
@@ -419,12 +423,15 @@ def match_checkpoint_tensors(
     entries: dict[str, CheckpointEntry],
     expected: dict[str, tuple[int, ...]],
     read_tensor: Callable[[str], torch.Tensor],
+    reshaped_ok: bool = False,
 ) -> dict[str, tuple[str, ...]]:
     """Match a checkpoint in either layout against ``expected`` (`checkpoint_shapes`); refuse it, naming every
     offending tensor, unless each text tensor is present with its shape and a floating-point dtype (MXFP4 pairs:
     uint8, with scales that decode to finite values) and nothing else is.
 
     Returns, for each expected name, the stored tensors that hold it: itself, or (weight_packed, weight_scale).
+    ``reshaped_ok`` (``from_pretrained(..., ignore_mismatched_sizes=True)``) lets a tensor stored with another shape
+    through, for transformers to initialise anew (a classifier with another number of labels).
     An expert counts as MXFP4 exactly when its `weight_packed` exists: the release's `quantization_config.ignore`
     list does not name every dense tensor. A longer 1-D `A_log` must be zero past num_heads.
     Vision and projector tensors are skipped, with one log line.
@@ -443,7 +450,7 @@ def match_checkpoint_tensors(
             problems += _mxfp4_problems(entries, stored, shape, read_tensor)
         elif key in entries:
             stored = (key,)
-            problems += _shape_problems(entries[key], key, shape, read_tensor)
+            problems += _shape_problems(entries[key], key, entries[key].shape if reshaped_ok else shape, read_tensor)
         else:
             problems.append(f"missing {key} {list(shape)}")
             continue
@@ -509,11 +516,12 @@ def _shape_problems(entry: CheckpointEntry, key: str, shape: tuple[int, ...], re
     return [] if entry.shape == shape else [f"{key}: expected shape {list(shape)}, found {list(entry.shape)}"]
 
 
-def verify_checkpoint_entries(model, entries: dict[str, CheckpointEntry]) -> None:
+def verify_checkpoint_entries(model, entries: dict[str, CheckpointEntry], reshaped_ok: bool = False) -> None:
     """Refuse a checkpoint (either layout) that does not hold exactly ``model``'s tensors, naming each offender.
 
     As in transformers, a model class's ``_keys_to_ignore_on_load_missing`` names tensors it may initialise (a new task
-    head) and ``_keys_to_ignore_on_load_unexpected`` tensors it may leave unread.
+    head), ``_keys_to_ignore_on_load_unexpected`` tensors it may leave unread, and ``reshaped_ok``
+    (``ignore_mismatched_sizes``) lets tensors of another shape be initialised anew.
     """
     missing_ok = _any_pattern(model._keys_to_ignore_on_load_missing)
     unexpected_ok = _any_pattern(model._keys_to_ignore_on_load_unexpected)
@@ -522,8 +530,11 @@ def verify_checkpoint_entries(model, entries: dict[str, CheckpointEntry]) -> Non
         for name, entry in base_model_entries(model, entries).items()
         if name.startswith(RELEASE_MULTIMODAL_PREFIXES) or not unexpected_ok(name.removeprefix(RELEASE_TEXT_PREFIX))
     }
-    expected = {name: shape for name, shape in checkpoint_shapes(model, entries).items() if not missing_ok(name)}
-    match_checkpoint_tensors(entries, expected, partial(read_checkpoint_tensor, entries))
+    stored = {name.removeprefix(RELEASE_TEXT_PREFIX) for name in entries}
+    expected = {
+        name: shape for name, shape in checkpoint_shapes(model, entries).items() if name in stored or not missing_ok(name)
+    }
+    match_checkpoint_tensors(entries, expected, partial(read_checkpoint_tensor, entries), reshaped_ok)
 
 
 def _any_pattern(patterns) -> Callable[[str], bool]:
@@ -549,7 +560,7 @@ def load_checkpoint(load: Callable, model, state_dict, checkpoint_files, load_co
         entries = read_safetensors_headers(checkpoint_files)
     released = entries is not None and is_released_layout(entries)
     if strict and entries is not None:
-        verify_checkpoint_entries(model, entries)
+        verify_checkpoint_entries(model, entries, reshaped_ok=load_config.ignore_mismatched_sizes)
     if released:
         load_config = replace(
             load_config, weight_mapping=[*released_layout_transforms(), *(load_config.weight_mapping or [])]
@@ -568,6 +579,46 @@ def _refuse_incomplete_load(model, loading_info) -> None:
     missing_ok = _any_pattern(model._keys_to_ignore_on_load_missing)
     missing = loading_info.missing_keys - model.all_tied_weights_keys.keys()
     problems = [f"missing {name}" for name in sorted(missing) if not missing_ok(name)]
+    initialised = sorted(name for name in missing if missing_ok(name))
+    if initialised and not problems:
+        logger.warning(
+            f"{type(model).__name__}: {', '.join(initialised)} not in the checkpoint, initialised at random (a new "
+            "task head): train it before use."
+        )
     problems += [f"{name}: {error.strip().splitlines()[-1]}" for name, error in loading_info.conversion_errors.items()]
     if problems:
         raise ValueError(_refusal(problems))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Published folders
+# ---------------------------------------------------------------------------------------------------------------------
+# What a Kimi K3 card declares: the hub runs the repository's own code (custom_code) for text generation.
+HUB_CARD_TAGS = ("kimi_k3", "moe", "custom_code")
+# The description of transformers' generic card template (``create_and_tag_model_card``), which a push replaces.
+GENERIC_CARD_MARK = "This model card has been automatically generated."
+
+
+def hub_model_card(model, repo_id: str) -> ModelCard:
+    """The card to publish ``model`` under ``repo_id``: the Kimi K3 card (tag ``kimi_k3``) of the local folder it was
+    loaded from, named for ``repo_id``, else a short card saying what the model is and how to load it."""
+    folder_card = os.path.join(str(getattr(model, "name_or_path", "") or ""), "README.md")
+    if os.path.isfile(folder_card):
+        card = ModelCard.load(folder_card)
+        if "kimi_k3" in (card.data.tags or []):
+            card.data.model_name = repo_id
+            return card
+    data = ModelCardData(library_name="transformers", pipeline_tag="text-generation", tags=list(HUB_CARD_TAGS),
+                         model_name=repo_id)
+    return ModelCard(
+        f"---\n{data.to_yaml()}\n---\n\n# {repo_id}\n\n"
+        f"A {model.num_parameters():,}-parameter language model with the Kimi K3 architecture (K3 report, "
+        "arXiv:2607.24653): Kimi Delta Attention interleaved with gated MLA, Block Attention Residuals and a Stable "
+        "LatentMoE feed-forward. Its modeling code ships in this repository, so it loads with plain transformers:\n\n"
+        "```python\nfrom transformers import AutoModelForCausalLM\n\n"
+        f'model = AutoModelForCausalLM.from_pretrained("{repo_id}", trust_remote_code=True)\n```\n'
+    )
+
+
+def is_generic_card(path: str) -> bool:
+    return os.path.isfile(path) and GENERIC_CARD_MARK in ModelCard.load(path).text

@@ -38,6 +38,8 @@ if not transformers_is_supported():
         f"pip install 'transformers{SUPPORTED_TRANSFORMERS}'."
     )
 
+# Set once the constructor has checked and derived everything: from then on an assignment is checked too.
+CHECKS_ASSIGNMENTS = "_checks_assignments"
 ROUTER_SCORE_FUNCTIONS = ("sigmoid", "softmax")
 ROUTER_SCORE_NORMALIZATIONS = ("none", "quantile")
 # Stable LatentMoE ideas the release does not use (docs/variants.md), each field at the value that leaves it off.
@@ -64,6 +66,8 @@ AUTO_MAP = {
     "AutoConfig": "configuration_kimi_k3.KimiK3Config",
     "AutoModel": "modeling_kimi_k3.KimiK3Model",
     "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForCausalLM",
+    "AutoModelForSequenceClassification": "modeling_kimi_k3.KimiK3ForSequenceClassification",
+    "AutoModelForTokenClassification": "modeling_kimi_k3.KimiK3ForTokenClassification",
 }
 # Keys of the released multimodal wrapper that describe the vision side, the wrapper's own remote-code classes or
 # serving-time quantization only.
@@ -274,10 +278,12 @@ class KimiK3Config(PreTrainedConfig):
         self._fill_variant_defaults()
         self._validate()
         self._derive_layer_types()
+        self.__dict__[CHECKS_ASSIGNMENTS] = True
 
     def to_dict(self) -> dict:
         """``PreTrainedConfig.to_dict`` without the variant fields that are off, so the release saves unchanged."""
         output = super().to_dict()
+        output.pop(CHECKS_ASSIGNMENTS, None)
         for name, off in VARIANT_FIELDS_OFF.items():
             if output.get(name, off) == off:
                 output.pop(name, None)
@@ -396,18 +402,63 @@ class KimiK3Config(PreTrainedConfig):
             and layer_idx % self.moe_layer_freq == 0
         )
 
-    def _derive_layer_types(self) -> None:
+    def _derive_layer_types(self, recompute: bool = False) -> None:
+        """Set ``layer_types``/``mlp_layer_types`` from the released fields; given ones must agree unless
+        ``recompute`` (after an assignment to a field they derive from)."""
         mla = set(self.mla_layer_indices)
         layer_types = ["full_attention" if i in mla else "linear_attention" for i in range(self.num_hidden_layers)]
         mlp_layer_types = ["sparse" if self.is_moe_layer(i) else "dense" for i in range(self.num_hidden_layers)]
         for name, derived in (("layer_types", layer_types), ("mlp_layer_types", mlp_layer_types)):
             given = getattr(self, name)
-            if given is not None and list(given) != derived:
+            if not recompute and given is not None and list(given) != derived:
                 raise ValueError(
                     f"`{name}`={given} contradicts the layer pattern derived from `linear_attn_config` and "
                     f"`first_k_dense_replace`/`moe_layer_freq` ({derived}); drop `{name}` or fix those fields."
                 )
-            setattr(self, name, derived)
+            self.__dict__[name] = derived  # not through __setattr__, which checks assignments by calling this
+
+    # ------------------------------------------------------------------ checks that hold after construction
+    def __setattr__(self, key, value):
+        if self._is_checked_field(key) and self.__dict__.get(CHECKS_ASSIGNMENTS):
+            self._assign_checked({key: value})
+        else:
+            super().__setattr__(key, value)
+
+    def update(self, config_dict: dict) -> None:
+        """Set every field of ``config_dict``, then check them together: fields that only agree with each other
+        (``num_experts`` and ``num_experts_per_token``) can change in one call. Nothing changes when refused."""
+        self._assign_checked(dict(config_dict))
+
+    def validate(self) -> None:
+        """transformers' checks, then this config's own: ``save_pretrained`` calls it, so a field changed in place
+        (``config.linear_attn_config["kda_layers"].append(...)``) is refused before a folder that fails to load is
+        written."""
+        super().validate()
+        self._validate()
+        self._derive_layer_types()
+
+    def _is_checked_field(self, key: str) -> bool:
+        return self.attribute_map.get(key, key) in KimiK3Config.__annotations__
+
+    def _assign_checked(self, assignments: dict) -> None:
+        """Assign, then run the constructor's checks; a refused assignment is undone and names the fields."""
+        fields = {self.attribute_map.get(key, key): value for key, value in assignments.items()}
+        missing = object()
+        previous = {name: self.__dict__.get(name, missing) for name in fields}
+        for name, value in fields.items():
+            PreTrainedConfig.__setattr__(self, name, value)
+        try:
+            self._validate()
+            self._derive_layer_types(recompute=not fields.keys() & {"layer_types", "mlp_layer_types"})
+        except ValueError as error:
+            for name, value in previous.items():
+                if value is missing:
+                    delattr(self, name)
+                else:
+                    PreTrainedConfig.__setattr__(self, name, value)
+            self._derive_layer_types(recompute=True)
+            settings = ", ".join(f"{key}={value!r}" for key, value in assignments.items())
+            raise ValueError(f"KimiK3Config refused {settings}: {error}") from None
 
     # ------------------------------------------------------------------ validation
     def _validate(self) -> None:
@@ -437,6 +488,11 @@ class KimiK3Config(PreTrainedConfig):
                 f"got {self.first_k_dense_replace}."
             )
         self._validate_layer_lists()
+        if not self.mla_layer_indices and self.use_cache:
+            raise ValueError(
+                "`use_cache` must be False when `linear_attn_config.full_attn_layers` is empty: transformers' cache "
+                "counts tokens in attention layers only, so a model of KDA layers alone generates by full forwards."
+            )
         if self.kda_layer_indices:
             self._validate_kda()
         if self.mla_layer_indices:

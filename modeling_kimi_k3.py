@@ -18,19 +18,26 @@ a ``KimiK3GLUActivation`` (fused kernels replace its forward), and each MLA laye
 """
 
 import math
+import os
+import sys
 from collections.abc import Callable
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import AutoModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
-from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_layers import (
+    GenericForSequenceClassification,
+    GenericForTokenClassification,
+    GradientCheckpointingLayer,
+)
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
 from transformers.processing_utils import Unpack
@@ -43,6 +50,8 @@ try:
     from .checkpoint_format_kimi_k3 import (
         STRICT_LOADING,
         fuse_per_expert_weights,
+        hub_model_card,
+        is_generic_card,
         load_checkpoint,
         register_expert_layout,
     )
@@ -51,6 +60,8 @@ except ImportError:
     from checkpoint_format_kimi_k3 import (
         STRICT_LOADING,
         fuse_per_expert_weights,
+        hub_model_card,
+        is_generic_card,
         load_checkpoint,
         register_expert_layout,
     )
@@ -948,12 +959,13 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
 
 def variants_module():
     """``variants_kimi_k3.py``, the opt-in Stable LatentMoE variants, imported only for a config that enables one:
-    beside this file as remote code, or installed."""
+    beside this file as remote code, or installed. Spelt ``from .variants_kimi_k3 import ...``: transformers' scan for
+    the files ``save_pretrained`` copies beside this one recognises that form, not ``from . import ...``."""
     try:
-        from . import variants_kimi_k3
+        from .variants_kimi_k3 import build_layer_variants
     except ImportError:
-        import variants_kimi_k3
-    return variants_kimi_k3
+        from variants_kimi_k3 import build_layer_variants
+    return sys.modules[build_layer_variants.__module__]
 
 
 def build_variants(layer: KimiK3DecoderLayer, config: KimiK3Config) -> None:
@@ -1009,6 +1021,14 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         return load_checkpoint(
             PreTrainedModel._load_pretrained_model, model, state_dict, checkpoint_files, load_config, expected_keys
         )
+
+    def _upload_modified_files(self, working_dir, repo_id, *args, **kwargs):
+        """``push_to_hub`` uploads a Kimi K3 card (`hub_model_card`) where transformers has just written its generic
+        template; a card the repository already had is kept."""
+        readme = os.path.join(working_dir, "README.md")
+        if is_generic_card(readme):
+            hub_model_card(self, repo_id).save(readme)
+        return super()._upload_modified_files(working_dir, repo_id, *args, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -1077,7 +1097,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
         inputs_embeds = self._input_embeddings(input_ids, inputs_embeds)
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
-        _check_cache_type(cache)
+        _check_cache_type(cache, self.config, inputs_embeds.device)
         past_length = cache.get_seq_length() if cache is not None else 0
         self._check_lengths(inputs_embeds, attention_mask, cache, past_length)
         document_starts = packed_document_starts(inputs_embeds, attention_mask, position_ids, kwargs)
@@ -1184,14 +1204,30 @@ def _check_continues_the_cache(document_starts: torch.Tensor, packing: dict) -> 
         )
 
 
-def _check_cache_type(cache: Cache | None) -> None:
+def _check_cache_type(cache: Cache | None, config, device: torch.device) -> None:
     """KDA layers keep a recurrent state and short-conv windows, which only transformers' DynamicCache (built with
-    the model config) holds; fixed-size caches (``cache_implementation="static"`` and the other static kinds) do not."""
-    if cache is not None and not isinstance(cache, DynamicCache):
+    the model config) holds; fixed-size caches (``cache_implementation="static"`` and the other static kinds) do not.
+    Its offloading variant synchronises CUDA streams, and its token count lives in attention (MLA) layers."""
+    if cache is None:
+        return
+    if not isinstance(cache, DynamicCache):
         raise ValueError(
             f"Kimi K3 decodes with a `DynamicCache(config=model.config)` (the hybrid KDA + MLA cache); got "
-            f"{type(cache).__name__}. In `generate`, leave `cache_implementation` unset or use 'dynamic' or "
-            "'offloaded'; static caches (e.g. `cache_implementation=\"static\"` for torch.compile) are not supported."
+            f"{type(cache).__name__}. In `generate`, leave `cache_implementation` unset or use 'dynamic' (or "
+            "'offloaded' on a CUDA device); static caches (e.g. `cache_implementation=\"static\"` for torch.compile) "
+            "are not supported."
+        )
+    if getattr(cache, "offloading", False) and device.type != "cuda":
+        raise ValueError(
+            f"`cache_implementation=\"offloaded\"` pages the cache between a CUDA device and the CPU through CUDA "
+            f"streams, and the model is on {device.type}, where the cache already lives in host memory: leave "
+            "`cache_implementation` unset."
+        )
+    if not config.mla_layer_indices:
+        raise ValueError(
+            "This model has no MLA layer (`linear_attn_config.full_attn_layers` is empty) and transformers' cache "
+            "counts tokens in attention layers only: call it with `use_cache=False` (`generate` then runs full "
+            "forwards)."
         )
 
 
@@ -1218,7 +1254,11 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
 
     def generate(self, *args, **kwargs):
         """``GenerationMixin.generate``, refusing packed prompts: it decodes one sequence per row, and a row of packed
-        documents would continue its last document with the others' tokens in the cache."""
+        documents would continue its last document with the others' tokens in the cache. A model of KDA layers alone
+        is refused a cache here, before transformers asks that cache for its length."""
+        generation_config = kwargs.get("generation_config") or self.generation_config
+        if not self.config.mla_layer_indices and kwargs.get("use_cache", generation_config.use_cache):
+            _check_cache_type(DynamicCache(config=self.config), self.config, self.device)
         position_ids = kwargs.get("position_ids")
         restarting = (
             isinstance(position_ids, torch.Tensor)
@@ -1271,18 +1311,60 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
         )
 
 
-register_expert_layout("KimiK3ForCausalLM", "KimiK3Model")
+class KimiK3TaskHead:
+    """What transformers' generic task heads need from a Kimi K3 model: their ``AutoModel.from_config`` finds
+    `KimiK3Model` (registered for the config's class, which under remote code is its own module's copy, so no
+    remote-code lookup happens), and loading a causal-LM folder initialises the new ``score`` head and leaves
+    ``lm_head`` unread, while a missing base-model tensor is still refused by strict loading."""
+
+    _keys_to_ignore_on_load_missing = ["score.weight", "score.bias"]
+    _keys_to_ignore_on_load_unexpected = [*KimiK3PreTrainedModel._keys_to_ignore_on_load_unexpected, r"^lm_head\."]
+
+    def __init__(self, config: KimiK3Config):
+        AutoModel.register(type(config), KimiK3Model, exist_ok=True)
+        super().__init__(config)
+
+
+class KimiK3ForSequenceClassification(KimiK3TaskHead, GenericForSequenceClassification, KimiK3PreTrainedModel):
+    """One label (or regression value) per sequence, scored at its last non-padding token (transformers' generic
+    head, as for its own decoder models)."""
+
+
+class KimiK3ForTokenClassification(KimiK3TaskHead, GenericForTokenClassification, KimiK3PreTrainedModel):
+    """One label per token (transformers' generic head)."""
+
+
+register_expert_layout(
+    "KimiK3ForCausalLM", "KimiK3Model", "KimiK3ForSequenceClassification", "KimiK3ForTokenClassification"
+)
 KimiK3Model.register_for_auto_class("AutoModel")
 KimiK3ForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+KimiK3ForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
+KimiK3ForTokenClassification.register_for_auto_class("AutoModelForTokenClassification")
 
 
 def register_auto_classes() -> None:
-    """Make ``AutoConfig``/``AutoModel``/``AutoModelForCausalLM`` resolve ``model_type="kimi_k3"`` without remote code."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    """Make ``AutoConfig`` and the Auto model classes (base, causal LM, sequence and token classification) resolve
+    ``model_type="kimi_k3"`` without remote code."""
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+    )
 
     AutoConfig.register(KimiK3Config.model_type, KimiK3Config, exist_ok=True)
     AutoModel.register(KimiK3Config, KimiK3Model, exist_ok=True)
     AutoModelForCausalLM.register(KimiK3Config, KimiK3ForCausalLM, exist_ok=True)
+    AutoModelForSequenceClassification.register(KimiK3Config, KimiK3ForSequenceClassification, exist_ok=True)
+    AutoModelForTokenClassification.register(KimiK3Config, KimiK3ForTokenClassification, exist_ok=True)
 
 
-__all__ = ["KimiK3PreTrainedModel", "KimiK3Model", "KimiK3ForCausalLM", "register_auto_classes"]
+__all__ = [
+    "KimiK3PreTrainedModel",
+    "KimiK3Model",
+    "KimiK3ForCausalLM",
+    "KimiK3ForSequenceClassification",
+    "KimiK3ForTokenClassification",
+    "register_auto_classes",
+]

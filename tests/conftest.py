@@ -71,9 +71,10 @@ def config() -> KimiK3Config:
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_processes(command: list[str], timeout_s: float) -> None:
-    """Run a multi-process launch (torchrun, accelerate) from the repository root with one thread per process;
-    fail the test with the output tail on error, killing the whole process group if it outlives ``timeout_s``."""
+def run_processes(command: list[str], timeout_s: float) -> str:
+    """Run a multi-process launch (torchrun, accelerate) from the repository root with one thread per process and
+    return its output; fail the test with the output tail on error, killing the whole process group if it outlives
+    ``timeout_s``."""
     pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -86,6 +87,7 @@ def run_processes(command: list[str], timeout_s: float) -> None:
         pytest.fail(f"the multi-process run did not finish within {timeout_s} s:\n{output[-6000:]}")
     if process.returncode != 0:
         pytest.fail(f"the multi-process run failed (exit code {process.returncode}):\n{output[-6000:]}")
+    return output
 
 
 def torchrun(script: str, *args: str, nproc: int, timeout_s: float) -> None:

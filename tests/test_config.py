@@ -1,5 +1,6 @@
 """KimiK3Config: released field names, derived layer descriptions, release JSON, validation errors."""
 
+import copy
 import json
 
 import pytest
@@ -159,6 +160,53 @@ def test_old_config_json_with_a_retired_training_switch_loads_and_drops_it(tmp_p
     assert not hasattr(loaded, switch)
     loaded.save_pretrained(tmp_path / "again")
     assert switch not in json.loads((tmp_path / "again" / "config.json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("num_experts_per_token", 100, r"refused num_experts_per_token=100: `num_experts_per_token` \(100\) must be <="),
+        ("num_experts_per_tok", 100, r"refused num_experts_per_tok=100: `num_experts_per_token` \(100\) must be <="),
+        ("hidden_act", "tanh", r"`hidden_act` must be one of"),
+        ("rms_norm_eps", "1e-6", r"`rms_norm_eps` must be a number, got '1e-6' \(str\)"),
+        ("num_hidden_layers", 12, r"Layers \[10, 11, 12\] are in neither"),
+        ("layer_types", ["full_attention"] * 9, r"`layer_types`=.* contradicts the layer pattern"),
+    ],
+)
+def test_an_assignment_that_breaks_the_config_is_refused_and_undone(field, value, message):
+    config = tiny_config()
+    before = config.to_dict()
+    with pytest.raises(ValueError, match=message):
+        setattr(config, field, value)
+    assert config.to_dict() | {"transformers_version": None} == before | {"transformers_version": None}
+
+
+def test_assignments_rederive_the_layer_pattern_and_update_checks_fields_together(tmp_path):
+    config = tiny_config()
+    config.linear_attn_config = {**config.linear_attn_config, "kda_layers": [1, 2, 3, 4, 5, 6, 7], "full_attn_layers": [8, 9]}
+    assert config.layer_types == ["linear_attention"] * 7 + ["full_attention"] * 2
+    config.update({"num_experts": 2, "num_experts_per_token": 1})  # either assignment alone would be refused first
+    assert (config.num_experts, config.num_experts_per_token) == (2, 1)
+    with pytest.raises(ValueError, match=r"refused num_experts=1, num_experts_per_token=3"):
+        config.update({"num_experts": 1, "num_experts_per_token": 3})
+    assert (config.num_experts, config.num_experts_per_token) == (2, 1)
+    config.save_pretrained(tmp_path / "ok")
+    assert KimiK3Config.from_pretrained(tmp_path / "ok").layer_types == config.layer_types
+
+
+def test_a_field_changed_in_place_is_refused_before_config_json_is_written(tmp_path):
+    config = tiny_config(linear_attn_config=copy.deepcopy(tiny_config().linear_attn_config))
+    config.linear_attn_config["kda_layers"].append(4)  # 4 is an MLA layer already
+    with pytest.raises(ValueError, match=r"overlap at layers \[4\]"):
+        config.save_pretrained(tmp_path)
+    assert not (tmp_path / "config.json").exists()
+
+
+def test_a_config_of_kda_layers_alone_needs_use_cache_false():
+    kda_only = {**tiny_config().linear_attn_config, "kda_layers": list(range(1, 10)), "full_attn_layers": []}
+    with pytest.raises(ValueError, match=r"^`use_cache` must be False when `linear_attn_config.full_attn_layers` is"):
+        tiny_config(linear_attn_config=kda_only)
+    assert tiny_config(linear_attn_config=kda_only, use_cache=False).layer_types == ["linear_attention"] * 9
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -65,6 +65,18 @@ def test_generate_without_cache_matches_cached(model):
         assert torch.equal(model.generate(ids, use_cache=True, **kwargs), model.generate(ids, use_cache=False, **kwargs))
 
 
+def test_a_model_of_kda_layers_alone_generates_by_full_forwards_and_refuses_a_cache_in_one_line():
+    kda_only = {**tiny_config().linear_attn_config, "kda_layers": list(range(1, 10)), "full_attn_layers": []}
+    model = KimiK3ForCausalLM(tiny_config(linear_attn_config=kda_only, use_cache=False, pad_token_id=0,
+                                          eos_token_id=None)).eval()
+    ids, mask = left_padded_prompts([6, 9])
+    with torch.no_grad():
+        generated = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+        assert torch.equal(generated, greedy_without_cache(model, ids, mask, 8))
+        with pytest.raises(ValueError, match=r"^This model has no MLA layer .* call it with `use_cache=False`"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, use_cache=True)
+
+
 def test_sampling_with_a_fixed_seed_is_reproducible(model):
     ids, mask = left_padded_prompts([5, 8])
     kwargs = dict(attention_mask=mask, max_new_tokens=15, do_sample=True, top_k=20, pad_token_id=0, eos_token_id=None)

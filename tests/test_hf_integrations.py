@@ -104,13 +104,20 @@ def test_output_attentions_holds_the_mla_layers_maps_in_layer_order(model, ids):
 
 
 def test_static_cache_is_refused_naming_the_supported_cache(model, ids):
-    refusal = r"DynamicCache.*got StaticCache.*'dynamic' or 'offloaded'"
+    refusal = r"DynamicCache.*got StaticCache.*'dynamic' \(or 'offloaded' on a CUDA device\)"
     for implementation in ("static", "sliding_window"):
         with pytest.raises(ValueError, match=refusal):
             model.generate(ids[:1], max_new_tokens=2, do_sample=False, cache_implementation=implementation)
     with pytest.raises(ValueError, match=refusal):
         model(ids, cache=StaticCache(config=model.config, max_cache_len=32), use_cache=True)
     assert model.generate(ids[:1], max_new_tokens=2, do_sample=False, cache_implementation="dynamic").shape == (1, 14)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for models off CUDA")
+def test_offloaded_cache_off_cuda_is_refused_in_one_line_before_transformers_touches_cuda(model, ids):
+    with pytest.raises(ValueError, match=r"^`cache_implementation=\"offloaded\"` pages the cache between a CUDA device "
+                                         r"and the CPU .* the model is on cpu, .* leave `cache_implementation` unset\.$"):
+        model.generate(ids[:1], max_new_tokens=2, do_sample=False, cache_implementation="offloaded")
 
 
 def test_router_bias_survives_a_lora_adapter_round_trip_when_the_routers_are_saved_with_it(model, ids, tmp_path):

@@ -35,7 +35,9 @@ KDA_CHUNK = 64  # the chunk size of the model's KDA layers
 def build(mixers: str) -> KimiK3ForCausalLM:
     """An fp32 model of ``mixers`` in training mode, with non-trivial AttnRes pseudo-queries and router biases."""
     layers, implementation = MIXERS[mixers]
-    config = tiny_config(linear_attn_config={**TINY_CONFIG["linear_attn_config"], **layers})
+    # A model of KDA layers alone has no attention layer for transformers' cache to count tokens in.
+    config = tiny_config(linear_attn_config={**TINY_CONFIG["linear_attn_config"], **layers},
+                         use_cache=bool(layers.get("full_attn_layers", True)))
     config._attn_implementation = implementation
     return build_model(config, dtype=torch.float32).train()
 

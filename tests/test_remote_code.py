@@ -98,6 +98,8 @@ def test_saved_folder_holds_code_config_weights_and_auto_map(saved):
         "AutoConfig": "configuration_kimi_k3.KimiK3Config",
         "AutoModel": "modeling_kimi_k3.KimiK3Model",
         "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForCausalLM",
+        "AutoModelForSequenceClassification": "modeling_kimi_k3.KimiK3ForSequenceClassification",
+        "AutoModelForTokenClassification": "modeling_kimi_k3.KimiK3ForTokenClassification",
     }
     assert (saved / "modeling_kimi_k3.py").read_text() == open(modeling_kimi_k3.__file__).read()
 

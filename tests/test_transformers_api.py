@@ -17,6 +17,7 @@ import pytest
 import torch
 import transformers
 from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel, Trainer
+from transformers.utils import PushToHubMixin
 
 import configuration_kimi_k3
 import modeling_kimi_k3
@@ -115,6 +116,11 @@ BORROWED_API = [
         and module_has("transformers.integrations", "use_experts_implementation")()
         and module_has("transformers.initialization", "copy_", "normal_", "zeros_")(),
     ),
+    # transformers' push: the one step between writing its generic card template and uploading the folder.
+    BorrowedApi("PushToHubMixin._upload_modified_files",
+                "model.push_to_hub uploads a Kimi K3 card (hub_model_card) where transformers wrote its template",
+                lambda: parameters(PushToHubMixin._upload_modified_files)[:3] == ["self", "working_dir", "repo_id"]
+                and "self._upload_modified_files(" in inspect.getsource(PushToHubMixin.push_to_hub)),
     # The opt-in variants (variants_kimi_k3.py) and the folders that ship them.
     BorrowedApi("use_experts_implementation keeps the undecorated forward as `__wrapped__` (functools.wraps)",
                 "shared-basis experts run the released per-expert loop as their eager reference",

@@ -9,14 +9,21 @@ import copy
 import os
 import tempfile
 import unittest
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from unittest import mock
 
 import pytest
 import torch
 
 from configuration_kimi_k3 import KimiK3Config
-from modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3Model, KimiK3PreTrainedModel
+import modeling_kimi_k3
+from modeling_kimi_k3 import (
+    KimiK3ForCausalLM,
+    KimiK3ForSequenceClassification,
+    KimiK3ForTokenClassification,
+    KimiK3Model,
+    KimiK3PreTrainedModel,
+)
 from tests.conftest import TINY_CONFIG
 from tests.transformers_suite import SuiteUnavailable, import_suite
 
@@ -28,6 +35,7 @@ except SuiteUnavailable as unavailable:
     pytest.skip(f"transformers' model tests are not available here: {unavailable}", allow_module_level=True)
 
 from transformers.models.auto import modeling_auto  # noqa: E402
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
 from transformers_tests.test_configuration_common import ConfigTester  # noqa: E402
 from transformers_tests.test_modeling_common import ModelTesterMixin, ids_tensor, random_attention_mask  # noqa: E402
 from transformers_tests.test_training_mixin import TrainingTesterMixin  # noqa: E402
@@ -37,6 +45,8 @@ from transformers_tests.test_training_mixin import TrainingTesterMixin  # noqa: 
 NAME_TABLES = [
     (modeling_auto.MODEL_MAPPING_NAMES, "KimiK3Model"),
     (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "KimiK3ForCausalLM"),
+    (modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES, "KimiK3ForSequenceClassification"),
+    (modeling_auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES, "KimiK3ForTokenClassification"),
 ]
 
 
@@ -88,6 +98,20 @@ def lenient_loading():
         yield
 
 
+@contextmanager
+def registered_with_auto_classes():
+    """The Kimi K3 classes in transformers' Auto mappings for the duration, as `register_auto_classes` puts them: some
+    mixin tests load through the Auto classes without remote code. Other tests then see the mappings unchanged."""
+    mappings = [CONFIG_MAPPING, modeling_auto.MODEL_MAPPING, modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING,
+                modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
+                modeling_auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING]
+    with ExitStack() as stack:
+        for mapping in mappings:
+            stack.enter_context(mock.patch.dict(mapping._extra_content))
+        modeling_kimi_k3.register_auto_classes()
+        yield
+
+
 class KimiK3ConfigTest(unittest.TestCase):
     def test_config(self):
         ConfigTester(self, config_class=KimiK3Config, **TINY_CONFIG).run_common_tests()
@@ -105,13 +129,18 @@ KIMI_K3_OVERRIDDEN = {
     "test_base_model_prefix_loads_base_weights": "as test_correct_missing_keys (a base folder lacks lm_head)",
     "test_model_weights_reload_no_missing_tied_weights": "as test_correct_missing_keys (the folder holds no weight)",
     "test_can_init_all_missing_weights": "as test_correct_missing_keys (the folder holds no weight)",
+    "test_load_with_mismatched_shapes": "loads through the Auto classes without remote code, so the Kimi K3 classes "
+    "are registered with them first (`register_auto_classes`); lenient as test_correct_missing_keys",
+    "test_can_load_ignoring_mismatched_shapes": "as test_correct_missing_keys: strict loading refuses a head of "
+    "another shape with a ValueError naming it (transformers raises RuntimeError); with ignore_mismatched_sizes=True "
+    "the strict default reinitialises it, as transformers does",
     "test_attention_outputs": "KDA layers have no attention map: one map per MLA layer, as transformers' hybrids "
     "(Qwen3-Next, Kimi Linear) override it",
 }
 
 
 class KimiK3ModelTest(ModelTesterMixin, TrainingTesterMixin, unittest.TestCase):
-    all_model_classes = (KimiK3Model, KimiK3ForCausalLM)
+    all_model_classes = (KimiK3Model, KimiK3ForCausalLM, KimiK3ForSequenceClassification, KimiK3ForTokenClassification)
     # The first layer's Block Attention Residual pseudo-queries weigh a single source (the embeddings), so the
     # released checkpoint holds them but they get no gradient there; routed experts that receive no token get none.
     test_all_params_have_gradient = False
@@ -146,6 +175,20 @@ class KimiK3ModelTest(ModelTesterMixin, TrainingTesterMixin, unittest.TestCase):
     def test_can_init_all_missing_weights(self):
         with lenient_loading():
             super().test_can_init_all_missing_weights()
+
+    def test_load_with_mismatched_shapes(self):
+        with registered_with_auto_classes(), lenient_loading():
+            super().test_load_with_mismatched_shapes()
+
+    def test_can_load_ignoring_mismatched_shapes(self):
+        with lenient_loading():
+            super().test_can_load_ignoring_mismatched_shapes()
+        with tempfile.TemporaryDirectory() as folder:
+            KimiK3ForSequenceClassification(self.model_tester.get_config()).save_pretrained(folder)  # 2 labels
+            with self.assertRaisesRegex(ValueError, r"score.weight: expected shape \[5, 32\], found \[2, 32\]"):
+                KimiK3ForSequenceClassification.from_pretrained(folder, num_labels=5)
+            model = KimiK3ForSequenceClassification.from_pretrained(folder, num_labels=5, ignore_mismatched_sizes=True)
+            self.assertEqual(tuple(model.score.weight.shape), (5, 32))
 
     def test_attention_outputs(self):
         """MLA layers return attention maps and KDA layers none, as in transformers' hybrids (Qwen3-Next, Kimi

@@ -4,6 +4,7 @@ checks that stop a run with one line naming the flag before anything is written.
 import difflib
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -78,10 +79,11 @@ class ModelArguments:
         default=None,
         metadata={"help": 'JSON object of KimiK3Config fields for a new model, e.g. \'{"hidden_size": 128}\'.'},
     )
-    optimizer: str = field(
-        default="per_head_muon",
-        metadata={"help": "per_head_muon (Muon for matrices, AdamW for the rest) or adamw (TrainingArguments.optim).",
-                  "choices": OPTIMIZERS},
+    optimizer: str | None = field(
+        default=None,
+        metadata={"help": "per_head_muon (Muon for matrices, AdamW for the rest; the default) or adamw (Trainer's own "
+                          "optimizer, chosen by --optim: AdamW unless --optim names another; --optim alone implies "
+                          "it).", "choices": OPTIMIZERS},
     )
     muon_ns_dtype: str = field(
         default="auto",
@@ -231,7 +233,23 @@ def parse_args(argv: list[str] | None) -> tuple[ModelArguments, DataArguments, C
     for action in parser._actions:
         for option in set(action.option_strings) & complements.keys():
             action.help = complements[option]
-    return parser.parse_args_into_dataclasses(args=argv)
+    model_args, data_args, card_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    choose_optimizer(model_args, training_args, sys.argv[1:] if argv is None else argv)
+    return model_args, data_args, card_args, training_args
+
+
+def choose_optimizer(model_args: ModelArguments, training_args: TrainingArguments, argv: list[str]) -> None:
+    """--optimizer from the command line: Per-Head Muon by default, Trainer's optimizer when --optim is given alone;
+    --optim with Per-Head Muon, which replaces Trainer's optimizer, is refused rather than ignored."""
+    optim_given = any(arg == "--optim" or arg.startswith("--optim=") for arg in argv)
+    if model_args.optimizer is None:
+        model_args.optimizer = "adamw" if optim_given else "per_head_muon"
+    elif model_args.optimizer == "per_head_muon" and optim_given:
+        raise UsageError(
+            f"--optim {training_args.optim.value} chooses Trainer's optimizer, which --optimizer per_head_muon "
+            f"replaces: pass --optimizer adamw (or --optim alone) to train with {training_args.optim.value}, or drop "
+            "--optim"
+        )
 
 
 def check_batch_sizes(training_args: TrainingArguments) -> None:
@@ -277,6 +295,7 @@ def publish_settings(training_args: TrainingArguments) -> Publish | None:
         return None
     token = hub.resolve_token(training_args.hub_token)
     repo_id = training_args.hub_model_id or Path(training_args.output_dir).name
+    hub.check_token(token, repo_id)
     training_args.push_to_hub = False
     return Publish(repo_id, token, training_args.hub_revision, training_args.hub_private_repo)
 

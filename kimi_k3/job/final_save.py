@@ -1,6 +1,7 @@
 """The end of a run: the final model folder with its card and expert-load picture, written atomically, and what the
 card and the console report about the run."""
 
+import contextlib
 import math
 import os
 import shutil
@@ -18,10 +19,12 @@ from kimi_k3.checkpoint.release_format import checkpoint_shard_files, export_rel
 from kimi_k3.job import expert_load
 from kimi_k3.job.arguments import ModelArguments, parse_qk_clip_tau
 from kimi_k3.job.expert_load import ExpertLoadRecorder
+from kimi_k3.job.launch import describe_autocast, describe_parallelism
 from kimi_k3.job.resumable import TrainingClock
 from kimi_k3.job.trainer import SaveError, batch_size, save_failure
 from kimi_k3.policies.balance_metrics import load_balance_metrics
 from kimi_k3.publishing.model_card import TrainingSummary
+from kimi_k3.quantization.qat import weights_on_mxfp4_grid
 
 FINAL_MODEL_DIR = "model"
 
@@ -71,7 +74,7 @@ def training_summary(trainer, model_args, data_description, blocks, block_size, 
         block_size=block_size,
         steps=trainer.state.global_step,
         global_batch_size=global_batch_size,
-        optimizer="Per-Head Muon + AdamW" if model_args.optimizer == "per_head_muon" else f"AdamW ({args.optim})",
+        optimizer=describe_optimizer(model_args, args),
         learning_rate=args.learning_rate,
         router_balancing="quantile_balancing" if model_args.quantile_balancing else "none",
         first_loss=losses[0] if losses else math.nan,
@@ -85,7 +88,15 @@ def training_summary(trainer, model_args, data_description, blocks, block_size, 
         weights_on_disk=describe_weights_on_disk(model_args, trainer.model),
         qk_clip=describe_qk_clip(model_args),
         packing=packing,
+        parallelism=describe_parallelism(trainer),
+        autocast=describe_autocast(trainer),
     )
+
+
+def describe_optimizer(model_args: ModelArguments, args) -> str:
+    if model_args.optimizer == "per_head_muon":
+        return "Per-Head Muon + AdamW"
+    return f"Trainer's `{args.optim.value}` (--optim)"
 
 
 def describe_qat(model_args: ModelArguments) -> str:
@@ -98,7 +109,16 @@ def describe_qat(model_args: ModelArguments) -> str:
 def describe_weights_on_disk(model_args: ModelArguments, model) -> str:
     if model_args.final_layout == "released":
         return "released layout, MXFP4 routed experts"
-    return f"this project's layout, {str(model.dtype).removeprefix('torch.')}"
+    layout = f"this project's layout, {str(model.dtype).removeprefix('torch.')}"
+    if model_args.qat is not None:
+        layout += " with the routed experts on the MXFP4 grid (the checkpoints keep the masters)"
+    return layout
+
+
+def weights_as_evaluated(model_args: ModelArguments, model) -> contextlib.AbstractContextManager:
+    """What the final folder must hold for a plain reload to be the model the run evaluated: under QAT the routed
+    experts' MXFP4 values (`weights_on_mxfp4_grid`), so that no loader needs to know about quantization."""
+    return weights_on_mxfp4_grid(model) if model_args.qat is not None else contextlib.nullcontext()
 
 
 def describe_qk_clip(model_args: ModelArguments) -> str:
@@ -120,7 +140,7 @@ def save_final_model(model, tokenizer, card, target: Path, tag: str | None = Non
     any previous ``target`` whole.
 
     ``layout="released"`` converts the staged folder to the released layout (MXFP4 experts) before the swap; the
-    model's parameters are the master weights either way (QAT never changes them).
+    folder holds whatever the model's parameters are (for a QAT run, save inside `weights_as_evaluated`).
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     tag = tag or run_folder.new_tag()

@@ -36,6 +36,7 @@ from kimi_k3.job.arguments import (
     resolve_checkpoint,
 )
 from kimi_k3.job.expert_load import ExpertLoadRecorder
+from kimi_k3.job.launch import announce_parallelism
 from kimi_k3.job.final_save import (
     FINAL_MODEL_DIR,
     expert_load_picture,
@@ -45,6 +46,7 @@ from kimi_k3.job.final_save import (
     same_weights,
     save_final_model,
     training_summary,
+    weights_as_evaluated,
     write_file_atomically,
 )
 from kimi_k3.job.resumable import ResumableCallback, TrainingClock
@@ -103,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             optimizer_cls_and_kwargs, callbacks = optimizer_and_callbacks(model_args, training_args, model, qk_clip_tau)
             callbacks.append(TrainingClock(start))
             trainer = build_trainer(model, tokenizer, blocks, training_args, optimizer_cls_and_kwargs, callbacks)
+            announce_parallelism(trainer)
         except ValueError as error:
             print(f"kimi-k3-train: error: {error}", file=sys.stderr)
             return 2
@@ -156,10 +159,11 @@ def run(trainer, model_args, data_args, blocks, data_description, checkpoint, pu
     card = render_model_card(trainer.model, name, summary, layer_balance, metadata,
                              expert_load.PNG_NAME if picture else None,
                              local_folder=None if publish else local_folder_name(model_dir))
-    model_dir = save_final_model(
-        trainer.model, trainer.processing_class, card, model_dir, trainer.staging_tag, model_args.final_layout,
-        {expert_load.PNG_NAME: picture} if picture else None,
-    )
+    with weights_as_evaluated(model_args, trainer.model):
+        model_dir = save_final_model(
+            trainer.model, trainer.processing_class, card, model_dir, trainer.staging_tag, model_args.final_layout,
+            {expert_load.PNG_NAME: picture} if picture else None,
+        )
     if picture:
         write_file_atomically(model_dir.parent / expert_load.PNG_NAME, picture, trainer.staging_tag)
     print_report(summary, model_dir)

@@ -15,6 +15,7 @@ from checkpoint_format_kimi_k3 import verify_checkpoint_files
 from kimi_k3.checkpoint import run_folder
 from kimi_k3.checkpoint.release_format import checkpoint_shard_files
 from kimi_k3.parallel.sharding import load_full_state_dict
+from kimi_k3.policies.callback import report_after_every_callback
 
 # Written into every checkpoint: what a resume compares its own global batch with.
 BATCH_FILE = "batch_size.json"
@@ -32,6 +33,7 @@ class KimiK3Trainer(Trainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        report_after_every_callback(self)  # so that --report_to integrations log the balance and QK-Clip metrics
         # One tag per job, the same on every rank: all ranks write their RNG state into one staging folder.
         self.staging_tag = broadcast_object_list([run_folder.new_tag()])[0]
 

@@ -4,7 +4,10 @@ The policy itself updates from a step hook of the optimizer (`Attachment.run_aft
 does nothing at steps: under ``Trainer`` the policy acts exactly as in a plain ``torch`` loop or an accelerate loop.
 """
 
+import warnings
+
 from transformers import TrainerCallback
+from transformers.integrations import get_reporting_integration_callbacks
 
 
 class PolicyCallback(TrainerCallback):
@@ -17,6 +20,7 @@ class PolicyCallback(TrainerCallback):
     def __init__(self, policy=None):
         self.policy = policy
         self.attachment = None
+        self.ahead_of_reporting = False
 
     def policy_for(self, model):
         """The policy to attach to the Trainer's ``model``."""
@@ -28,6 +32,7 @@ class PolicyCallback(TrainerCallback):
             raise ValueError(f"{type(self).__name__} updates after each optimizer step, and the Trainer gave it none")
         self.policy = self.policy_for(model)
         self.attachment = self.policy.attach(optimizer, model)
+        self._warn_if_reporting_misses_the_metrics(args)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.detach()
@@ -53,4 +58,32 @@ class PolicyCallback(TrainerCallback):
         if self in callbacks:
             callbacks.remove(self)
         callbacks.insert(1, self)
+        self.ahead_of_reporting = True
         return self
+
+    def _warn_if_reporting_misses_the_metrics(self, args) -> None:
+        """Trainer puts ``callbacks=[...]`` after its ``report_to`` integrations, which then log before the metrics
+        join the logs: say so rather than leave TensorBoard (or W&B, ...) silently without them."""
+        report_to = [args.report_to] if isinstance(args.report_to, str) else args.report_to or []
+        integrations = [name for name in report_to if name != "none"]
+        if integrations and not self.ahead_of_reporting:
+            warnings.warn(
+                f"{type(self).__name__}'s metrics reach the console and trainer_state.json but not report_to "
+                f"{integrations}, which log before it: register it with `callback.attach(trainer)`, or call "
+                "`report_after_every_callback(trainer)` (kimi_k3.policies.callback), before training.",
+                stacklevel=2,
+            )
+
+
+def report_after_every_callback(trainer) -> None:
+    """Move ``trainer``'s ``report_to`` integrations behind all its other callbacks, each group keeping its order, so
+    that TensorBoard, W&B and the others log what any callback adds to the logs, the policies' metrics among them.
+    The other callbacks keep their order, which decides whose optimizer step hooks run first."""
+    reporting = tuple(get_reporting_integration_callbacks(trainer.args.report_to))
+    callbacks = trainer.callback_handler.callbacks
+    callbacks[:] = [callback for callback in callbacks if not isinstance(callback, reporting)] + [
+        callback for callback in callbacks if isinstance(callback, reporting)
+    ]
+    for callback in callbacks:
+        if isinstance(callback, PolicyCallback):
+            callback.ahead_of_reporting = True

@@ -482,8 +482,8 @@ class QuantileBalancingCallback(PolicyCallback):
     model and optimizer for the run, its load-balance metrics (MaxVio, CV, min/mean, dead experts, bias spread, per
     layer and aggregated) added to every training-loss log, detached at the end of training.
 
-    Pass it in ``Trainer(callbacks=[...])`` for printed logs and ``trainer_state.json``; use ``attach(trainer)``
-    instead so that ``report_to`` integrations receive the metrics as well.
+    Pass it in ``Trainer(callbacks=[...])`` for printed logs and ``trainer_state.json`` (it warns when ``report_to``
+    names integrations, which would miss the metrics); use ``attach(trainer)`` instead so that they receive them.
     """
 
     def __init__(self, model: nn.Module, **settings):

@@ -51,6 +51,15 @@ def resolve_token(token: str | None = None) -> str:
     return token
 
 
+def check_token(token: str, repo_id: str, timeout: float | None = None) -> None:
+    """Ask the hub whose ``token`` it is, so that a job refuses a rejected token (or an unreachable hub, or offline
+    mode) before it trains rather than after."""
+    check_online()
+    api = HfApi(token=token)
+    with failures_explained(api, repo_id, timeout):
+        api.whoami()
+
+
 def check_model_files(folder: Path) -> None:
     """Code, config, weights and tokenizer: what a reload with trust_remote_code and generation need."""
     if not folder.is_dir():

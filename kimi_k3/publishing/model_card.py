@@ -9,6 +9,7 @@ link), ``base_model`` and ``datasets`` as hub ids only, ISO 639 language codes. 
 (``RepoCard.validate``); :func:`metadata_problems` applies the same rules offline, before anything is uploaded.
 """
 
+import difflib
 import os
 import re
 from dataclasses import asdict, dataclass, field
@@ -23,6 +24,7 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
 from configuration_kimi_k3 import KimiK3Config
+from kimi_k3.publishing.hub_licenses import HUB_LICENSE_IDS
 from modeling_kimi_k3 import KimiK3ForCausalLM
 
 # Package data, so the template ships in the wheel and is found in any install, not only in a source checkout.
@@ -48,7 +50,7 @@ K3_RELEASE_LICENSE = {
     "license_link": f"https://huggingface.co/{K3_RELEASE}/blob/main/LICENSE",
 }
 LICENSE_FIELDS = ("license", "license_name", "license_link")
-# Hub license identifiers are lower-case (apache-2.0, mit, cc-by-4.0, llama3.1, openrail++, other); so are names.
+# Custom license names are lower-case, as the hub's own identifiers (apache-2.0, cc-by-4.0, llama3.1, openrail++) are.
 LICENSE_ID = re.compile(r"[a-z0-9][a-z0-9.+-]*")
 LANGUAGE_CODE = re.compile(r"[a-z]{2,3}(-[A-Za-z0-9]{2,8})*")
 
@@ -79,6 +81,9 @@ class TrainingSummary:
     qk_clip: str = "off"
     # `kimi_k3.text.corpus.PACKING_MODES`: whether the blocks kept their document boundaries.
     packing: str = "documents"
+    # What accelerate ran: how the processes shared the model, and the autocast of the forward and backward.
+    parallelism: str = "one process"
+    autocast: str = "none (fp32 compute)"
 
 
 def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
@@ -224,8 +229,8 @@ def license_problems(data: dict) -> list[str]:
         extra = [key for key in LICENSE_FIELDS[1:] if data.get(key)]
         return [f"{' and '.join(extra)} without license: other"] if extra else []
     problems = []
-    if not (isinstance(license, str) and LICENSE_ID.fullmatch(license)):
-        problems.append(f"license {license!r} is not a hub license identifier (lower case, e.g. apache-2.0, mit, other)")
+    if license not in HUB_LICENSE_IDS:
+        problems.append(f"license {license!r} is not a hub license identifier{closest_license_hint(license)}")
     if license == "other":
         name, link = data.get("license_name"), data.get("license_link")
         if not (isinstance(name, str) and LICENSE_ID.fullmatch(name)):
@@ -233,6 +238,14 @@ def license_problems(data: dict) -> list[str]:
         if not (isinstance(link, str) and link.strip()):
             problems.append(f"license: other needs a license_link, got {link!r}")
     return problems
+
+
+def closest_license_hint(license) -> str:
+    """``; did you mean 'apache-2.0'?`` for ``apache2``, else where the hub lists its identifiers."""
+    close = difflib.get_close_matches(str(license).lower(), sorted(HUB_LICENSE_IDS), n=1, cutoff=0.75)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    return " (https://huggingface.co/docs/hub/repositories-licenses lists them; or use other with a name and a link)"
 
 
 def metadata_problems(data: dict) -> list[str]:

@@ -23,7 +23,8 @@ released-layout conversion rely on. The SiTU-GLU output is quantized by a hook o
 whatever kernel computes it.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,7 @@ __all__ = [
     "fake_quantize_mxfp8",
     "find_routed_experts",
     "qat_bytes_per_expert_weight",
+    "weights_on_mxfp4_grid",
 ]
 
 WEIGHT_FORMATS = ("mxfp4",)
@@ -195,6 +197,27 @@ def attach_qat(model: nn.Module, weights: str = "mxfp4", activations: str = "non
             if activations == "mxfp8":
                 attachment.add(experts_activation(module).register_forward_hook(_quantize_output_mxfp8))
     return ExpertQAT(weights, activations, experts, attachment)
+
+
+@contextmanager
+@torch.no_grad()
+def weights_on_mxfp4_grid(model: nn.Module) -> Iterator[None]:
+    """The routed experts' parameters hold their MXFP4 values inside the block, their fp32 masters again after it.
+
+    Saving inside it writes the model a QAT forward computes: the plain forward of the saved weights equals the
+    fake-quantized forward, and re-quantizing them (the released layout) is lossless, as MXFP4 is idempotent.
+    """
+    masters = []
+    for module in find_routed_experts(model).values():
+        for weight_name in EXPERT_WEIGHTS:
+            parameter = module._parameters[weight_name]
+            masters.append((parameter, parameter.detach().clone()))
+            parameter.copy_(fake_quantize_mxfp4(parameter))
+    try:
+        yield
+    finally:
+        for parameter, master in masters:
+            parameter.copy_(master)
 
 
 def check_mxfp4_widths(experts: dict[str, nn.Module], purpose: str) -> None:

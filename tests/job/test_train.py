@@ -22,6 +22,7 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoTokenizer, TrainerState
 
 from kimi_k3.checkpoint import run_folder
@@ -325,6 +326,7 @@ def test_model_card_states_metadata_parameter_counts_and_results(trained):
     assert "| QK-Clip | tau = 100 |" in card.text and "| quantization-aware training | none |" in card.text
     assert "| weights on disk | this project's layout, float32 |" in card.text
     assert "| packing | documents: each block keeps its document boundaries" in card.text
+    assert "| parallelism | one CPU process |" in card.text and "| autocast | none (fp32 compute) |" in card.text
 
 
 def test_model_card_shows_no_local_path_and_a_usage_snippet_that_loads(trained, tmp_path, monkeypatch):
@@ -379,6 +381,7 @@ def test_run_without_matplotlib_or_network_says_so_once_and_keeps_the_model(trai
     for name in ("matplotlib", "matplotlib.figure"):
         monkeypatch.setitem(sys.modules, name, None)  # `import matplotlib` now raises ImportError
     monkeypatch.setenv("HF_TOKEN", "hf_test_token")  # HF_HUB_OFFLINE=1 (conftest) makes the push fail
+    monkeypatch.setattr(train.hub, "check_token", lambda *args: None)  # as if the network dropped after the check
     extra = ["--max_steps", "2", "--save_steps", "2", "--eval_strategy", "no", "--hub_model_id", "someone/tiny"]
     status, printed = run_main(tiny_args(tmp_path / "run", trained[1], *extra))
     assert status == 1 and printed.count(PLOT_EXTRA) == 1
@@ -642,11 +645,35 @@ def test_read_only_output_folder_is_refused_before_training(trained, tmp_path, c
 def test_adamw_without_quantile_balancing_trains_and_leaves_router_bias_at_zero(trained, tmp_path):
     extra = ["--optimizer", "adamw", "--no_quantile_balancing", "--max_steps", "2"]
     assert run_main(tiny_args(tmp_path / "run", trained[1], *extra))[0] == 0
-    assert "AdamW" in (tmp_path / "run" / "model" / "README.md").read_text()
+    assert "| optimizer | Trainer's `adamw_torch" in (tmp_path / "run" / "model" / "README.md").read_text()
     saved = weights(tmp_path / "run" / "model")
     biases = [tensor for key, tensor in saved.items() if key.endswith("e_score_correction_bias")]
     assert len(biases) == 8 and all(torch.count_nonzero(bias) == 0 for bias in biases)
     assert "router balancing | none" in (tmp_path / "run" / "model" / "README.md").read_text()
+
+
+def test_optim_alone_trains_with_that_trainer_optimizer_and_the_card_names_it(trained, tmp_path, monkeypatch):
+    created = []
+    create_optimizer = KimiK3Trainer.create_optimizer
+    monkeypatch.setattr(KimiK3Trainer, "create_optimizer",
+                        lambda self: created.append(type(create_optimizer(self)).__name__) or self.optimizer)
+    assert run_main(tiny_args(tmp_path / "run", trained[1], "--optim", "adafactor", "--max_steps", "2"))[0] == 0
+    assert created == ["Adafactor"]
+    card = (tmp_path / "run" / "model" / "README.md").read_text()
+    assert "| optimizer | Trainer's `adafactor` (--optim), peak learning rate 0.01 |" in card
+
+
+def test_report_to_tensorboard_receives_the_balance_and_qk_clip_metrics_of_every_logged_step(trained, tmp_path):
+    assert run_main(tiny_args(tmp_path / "run", trained[1], "--report_to", "tensorboard", "--max_steps", "3"))[0] == 0
+    (events,) = (tmp_path / "run" / "runs").iterdir()  # Trainer's default logging folder
+    accumulator = EventAccumulator(str(events))
+    accumulator.Reload()
+    logged = json.loads((tmp_path / "run" / "checkpoint-3" / "trainer_state.json").read_text())["log_history"]
+    train_logs = [entry for entry in logged if "loss" in entry]
+    assert len(train_logs) == 3
+    for key in ("balance/max_vio", "balance/cv", "qk_clip/max_logit", "qk_clip/clipped_heads"):
+        reported = [event.value for event in accumulator.Scalars(f"train/{key}")]
+        assert reported == pytest.approx([entry[key] for entry in train_logs], rel=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -666,6 +693,9 @@ BAD_INPUTS = {
         "vocab_size is 300",
     ),
     "hub id without a token": (lambda run, tmp: ["--hub_model_id", "someone/kimi-k3-tiny"], "needs a token: pass --hub_token"),
+    "license that is not a hub id": (
+        lambda run, tmp: ["--license", "apache2"], "license 'apache2' is not a hub license identifier; did you mean 'apache-2.0'?"
+    ),
     "custom license without a link": (
         lambda run, tmp: ["--license", "other", "--license_name", "acme"], "--license other needs --license_name NAME"
     ),
@@ -675,7 +705,8 @@ BAD_INPUTS = {
     "negative qk_clip_tau": (lambda run, tmp: ["--qk_clip_tau", "-1"], "--qk_clip_tau must be a number > 0"),
     "NaN qk_clip_tau": (lambda run, tmp: ["--qk_clip_tau", "nan"], "--qk_clip_tau must be a number > 0"),
     "QK-Clip without MLA layers": (
-        lambda run, tmp: ["--config_overrides", json.dumps({**TINY_MODEL, "linear_attn_config": ALL_KDA})],
+        lambda run, tmp: ["--config_overrides", json.dumps({**TINY_MODEL, "linear_attn_config": ALL_KDA,
+                                                            "use_cache": False})],
         "the model has no MLA (full_attention) layer; pass --qk_clip_tau none",
     ),
     "0-byte text file": (lambda run, tmp: ["--data_files", str(write_bytes(tmp, "empty.txt", b""))], "empty.txt is empty (0 bytes)"),
@@ -701,6 +732,10 @@ BAD_INPUTS = {
     ),
     "string config value": (
         lambda run, tmp: ["--config_overrides", '{"rms_norm_eps": "1e-6"}'], "`rms_norm_eps` must be a number, got '1e-6' (str)"
+    ),
+    "--optim with Per-Head Muon": (
+        lambda run, tmp: ["--optimizer", "per_head_muon", "--optim", "adafactor"],
+        "--optim adafactor chooses Trainer's optimizer, which --optimizer per_head_muon replaces: pass --optimizer adamw",
     ),
     "string routed scaling factor": (
         lambda run, tmp: ["--config_overrides", '{"routed_scaling_factor": "2.5"}'], "`routed_scaling_factor` must be a number"

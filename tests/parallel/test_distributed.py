@@ -28,6 +28,7 @@ from accelerate.utils.launch import prepare_multi_gpu_env
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from tests.conftest import run_processes, tiny_config
 from tests.dist_scripts import k3_scenarios as scenarios
+from tests.job.test_train import tiny_args, write_corpus
 from tests.numerics import assert_within_rounding_spread, perturb_parameters
 
 pytestmark = pytest.mark.distributed
@@ -148,6 +149,25 @@ def test_fsdp2_config_shards_each_decoder_layer(config):
     policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
     wrapped = [name for name, module in model.named_modules() if policy(module)]
     assert wrapped == [f"model.layers.{i}" for i in range(config.num_hidden_layers)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with GPUs accelerate runs the FSDP2 config as FSDP2")
+def test_fsdp2_config_on_cpu_says_in_one_line_that_ddp_runs_and_the_card_records_parallelism_and_autocast(tmp_path):
+    args = tiny_args(tmp_path / "run", write_corpus(tmp_path), "--max_steps", "1", "--eval_strategy", "no",
+                     "--use_cpu", "True", "--no_fused_situ")
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP2_CONFIG),
+        "--num_processes", str(scenarios.WORLD_SIZE), "--main_process_port", str(free_port()),
+        str(ROOT / "scripts" / "train.py"), *args,
+    ]
+    output = run_processes(command, LAUNCH_TIMEOUT_S)
+    runs = f"DDP over {scenarios.WORLD_SIZE} CPU processes (gloo), each holding the whole model"
+    assert [line for line in output.splitlines() if "FSDP" in line] == [
+        f"kimi-k3-train: warning: the accelerate config asks for FSDP, which accelerate runs on GPUs only: this run "
+        f"trains with {runs}, under bf16 autocast"
+    ]
+    card = (tmp_path / "run" / "model" / "README.md").read_text()
+    assert f"| parallelism | {runs} |" in card and "| autocast | bf16 autocast |" in card
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -3,10 +3,12 @@
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import Trainer, TrainingArguments
 
 from kimi_k3.attachments.seams import find_routers
 from kimi_k3.optim.muon import PerHeadMuon
+from kimi_k3.policies.callback import report_after_every_callback
 from kimi_k3.policies.qk_clip import QKClip, QKClipCallback
 from kimi_k3.policies.quantile_balancing import QuantileBalancing, QuantileBalancingCallback
 from modeling_kimi_k3 import KimiK3ForCausalLM
@@ -84,3 +86,48 @@ def test_quantile_balancing_and_qk_clip_act_the_same_in_a_plain_loop_and_under_t
     # Detached at the end of training, as the plain loop's attachments are at the end of their `with`.
     for model in (under_trainer, in_a_loop):
         assert not any(module._forward_hooks or module._forward_pre_hooks for module in model.modules())
+
+
+def tensorboard_scalars(folder) -> dict[str, list[float]]:
+    """Every scalar series of the TensorBoard event files in ``folder``, read back by TensorBoard's own reader."""
+    accumulator = EventAccumulator(str(folder))
+    accumulator.Reload()
+    return {tag: [event.value for event in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+
+
+def tensorboard_trainer(config, folder, callbacks=lambda model: []):
+    model = new_model(config)
+    args = TrainingArguments(
+        output_dir=str(folder), max_steps=STEPS, per_device_train_batch_size=BATCH, logging_steps=1,
+        save_strategy="no", report_to="tensorboard", use_cpu=True, disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    return model, Trainer(model=model, args=args, train_dataset=token_rows(config), callbacks=callbacks(model))
+
+
+@pytest.mark.parametrize("registration", ["callback.attach(trainer)", "report_after_every_callback(trainer)"])
+def test_plain_trainer_reports_balance_and_qk_clip_metrics_to_tensorboard(registration, tmp_path, monkeypatch):
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "events"))
+    policies = lambda model: [QKClipCallback(TAU), QuantileBalancingCallback(model)]  # noqa: E731
+    if registration == "callback.attach(trainer)":
+        model, trainer = tensorboard_trainer(four_layer_config(), tmp_path)
+        for callback in policies(model):
+            callback.attach(trainer)
+    else:
+        model, trainer = tensorboard_trainer(four_layer_config(), tmp_path, policies)
+        report_after_every_callback(trainer)
+    trainer.train()
+    scalars = tensorboard_scalars(tmp_path / "events")
+    train_logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(train_logs) == STEPS
+    for key in ("balance/max_vio", "balance/cv", "qk_clip/max_logit", "qk_clip/clipped_heads"):
+        assert scalars[f"train/{key}"] == pytest.approx([entry[key] for entry in train_logs], rel=1e-6)
+
+
+def test_callbacks_passed_to_trainer_behind_its_integrations_warn_that_reporting_misses_their_metrics(tmp_path,
+                                                                                                    monkeypatch):
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "events"))
+    model, trainer = tensorboard_trainer(four_layer_config(), tmp_path)
+    trainer.add_callback(QuantileBalancingCallback(model))
+    with pytest.warns(UserWarning, match=r"QuantileBalancingCallback's metrics .* not report_to \['tensorboard'\]"):
+        trainer.train()
+    assert "train/balance/max_vio" not in tensorboard_scalars(tmp_path / "events")

@@ -16,14 +16,20 @@ import subprocess
 import sys
 import threading
 import zipfile
+from functools import partial
 from pathlib import Path
 
 import huggingface_hub
 import pytest
+import transformers
 from huggingface_hub import CommitInfo, HfApi, ModelCard, RepoUrl
+from huggingface_hub.errors import EntryNotFoundError
 from huggingface_hub.utils import filter_repo_objects
 
 from kimi_k3.publishing import hub
+from kimi_k3.publishing.model_card import is_our_card, metadata_problems
+from modeling_kimi_k3 import KimiK3ForCausalLM
+from tests.conftest import tiny_config
 from kimi_k3.job.expert_load import matplotlib_available
 from tests.conftest import TINY_CONFIG
 from tests.job.test_train import generate_in_fresh_process, run_main, sampled_continuation, tiny_args, write_corpus
@@ -84,9 +90,25 @@ class FakeHfApi:
         self._record("create_branch", repo_id, **kwargs)
         self.branches.add((repo_id, kwargs["branch"]))
 
+    def whoami(self, **kwargs):
+        self._record("whoami", **kwargs)
+        return {"name": "someone"}
+
     def upload_folder(self, **kwargs):
         self._record("upload_folder", **kwargs)
-        repo_id, revision = kwargs["repo_id"], kwargs.get("revision")
+        folder = Path(kwargs["folder_path"])
+        files = [str(path.relative_to(folder)) for path in folder.rglob("*") if path.is_file()]
+        names = filter_repo_objects(files, allow_patterns=kwargs.get("allow_patterns"),
+                                    ignore_patterns=kwargs.get("ignore_patterns"))
+        return self._commit(kwargs["repo_id"], {name: folder / name for name in names}, kwargs)
+
+    def create_commit(self, repo_id, operations, **kwargs):
+        """What transformers' own ``push_to_hub`` calls, through its shared client."""
+        self._record("create_commit", repo_id, operations, **kwargs)
+        return self._commit(repo_id, {op.path_in_repo: Path(op.path_or_fileobj) for op in operations}, kwargs)
+
+    def _commit(self, repo_id: str, files: dict[str, Path], kwargs: dict) -> CommitInfo:
+        revision = kwargs.get("revision")
         if revision not in (None, "main") and (repo_id, revision) not in self.branches:
             raise AssertionError(f"upload to branch {revision} of {repo_id}, which was never created")
         pr_url = None
@@ -94,16 +116,19 @@ class FakeHfApi:
             self.pull_requests += 1
             revision, pr_url = f"refs/pr/{self.pull_requests}", f"{self.endpoint}/{repo_id}/discussions/{self.pull_requests}"
         remote = self.root / (repo_id if revision in (None, "main") else f"{repo_id}@{revision}")
-        folder = Path(kwargs["folder_path"])
-        files = [str(path.relative_to(folder)) for path in folder.rglob("*") if path.is_file()]
-        for name in filter_repo_objects(
-            files, allow_patterns=kwargs.get("allow_patterns"), ignore_patterns=kwargs.get("ignore_patterns")
-        ):
+        for name, source in files.items():
             target = remote / name
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(folder / name, target)
+            shutil.copyfile(source, target)
         return CommitInfo(commit_url=f"{self.endpoint}/{repo_id}/commit/0", commit_message=kwargs.get("commit_message"),
                           commit_description="", oid="0" * 40, pr_url=pr_url)
+
+    def load_card(self, repo_id: str, load, **kwargs) -> ModelCard:
+        """``ModelCard.load`` of a stand-in repo: its README.md, or the hub's answer for a repo without one."""
+        readme = self.root / repo_id / "README.md"
+        if not readme.is_file():
+            raise EntryNotFoundError(f"{repo_id} has no README.md")
+        return load(readme, **kwargs)
 
 
 @pytest.fixture
@@ -123,10 +148,52 @@ def pushed(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(hub, "HfApi", lambda token: api)
         patch.setenv("HF_TOKEN", "hf_test_token")
+        patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # conftest sets HF_HUB_OFFLINE=1
         args = tiny_args(root / "run", write_corpus(root), "--max_steps", "2", "--save_steps", "1")
         status, printed = run_main([*args, "--eval_strategy", "no", "--push_to_hub", "--hub_model_id", REPO_ID])
     assert status == 0 and f"pushed {root / 'run' / 'model'} to {REPO_ID}" in printed
     return root / "run", api.root / REPO_ID, api
+
+
+@pytest.fixture
+def transformers_hub(fake_hub, monkeypatch) -> FakeHfApi:
+    """The stand-in hub behind transformers' own ``push_to_hub``: its shared client, and the cards of its repos."""
+    monkeypatch.setattr(transformers.utils.hub, "hf_api", lambda: fake_hub)
+    load = ModelCard.load.__func__
+
+    def load_card(cls, repo_id_or_path, **kwargs):
+        if Path(repo_id_or_path).exists():
+            return load(cls, repo_id_or_path, **kwargs)
+        return fake_hub.load_card(str(repo_id_or_path), partial(load, cls), **kwargs)
+
+    monkeypatch.setattr(ModelCard, "load", classmethod(load_card))
+    return fake_hub
+
+
+def test_model_push_to_hub_uploads_a_kimi_k3_card_the_hub_accepts(transformers_hub, tmp_path):
+    model = KimiK3ForCausalLM(tiny_config())
+    model.push_to_hub(REPO_ID)
+    remote = transformers_hub.root / REPO_ID
+    assert {"config.json", "model.safetensors", "modeling_kimi_k3.py", "README.md"} <= {p.name for p in remote.iterdir()}
+    card = ModelCard.load(remote / "README.md")
+    assert is_our_card(remote / "README.md") and metadata_problems(card.data.to_dict()) == []
+    assert card.data.pipeline_tag == "text-generation" and "custom_code" in card.data.tags
+    assert f'from_pretrained("{REPO_ID}", trust_remote_code=True)' in card.text
+    assert f"{model.num_parameters():,}-parameter" in card.text
+
+
+def test_model_push_to_hub_of_a_trained_folder_uploads_its_card_and_keeps_a_card_the_repo_has(pushed,
+                                                                                             transformers_hub):
+    run, _, _ = pushed
+    model = transformers.AutoModelForCausalLM.from_pretrained(run / "model", trust_remote_code=True)
+    model.push_to_hub("someone/again")
+    card = ModelCard.load(transformers_hub.root / "someone" / "again" / "README.md")
+    assert card.data.model_name == "someone/again" and "## Expert load balance" in card.text
+    assert card.text == ModelCard.load(run / "model" / "README.md").text
+
+    (transformers_hub.root / "someone" / "again" / "README.md").write_text("---\nlicense: mit\n---\n# Mine\n")
+    model.push_to_hub("someone/again")
+    assert ModelCard.load(transformers_hub.root / "someone" / "again" / "README.md").text.strip() == "# Mine"
 
 
 def push_script_main():
@@ -135,7 +202,7 @@ def push_script_main():
 
 def test_push_uploads_code_config_weights_tokenizer_and_our_card(pushed):
     run, remote, api = pushed
-    assert [name for name, _ in api.calls] == ["create_repo", "upload_folder"]
+    assert [name for name, _ in api.calls] == ["whoami", "create_repo", "upload_folder"]  # the token before training
     assert {path.name for path in remote.iterdir()} == TRAINED_MODEL_FILES
     assert (remote / "README.md").read_bytes() == (run / "model" / "README.md").read_bytes()
     card = ModelCard.load(remote / "README.md")
@@ -314,6 +381,20 @@ def test_push_failure_is_one_line_naming_cause_and_the_option_to_change(case, pu
     error = capsys.readouterr().err
     assert status == 2 and len(error.strip().splitlines()) == 1, error
     assert error.startswith("kimi-k3-push: error: ") and all(part in error for part in PUSH_FAILURES[case]), error
+
+
+@pytest.mark.parametrize("case", ["401 unauthorized", "offline"])
+def test_job_checks_the_push_token_with_the_hub_before_training(case, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_TOKEN", "hf_rejected")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", case == "offline")
+    with stand_in_hub(case) as endpoint:
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", endpoint)
+        args = tiny_args(tmp_path / "run", write_corpus(tmp_path), "--hub_model_id", REPO_ID)
+        status, printed = run_main(args)
+    error = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and printed == "" and len(error) == 1
+    assert error[0].startswith("kimi-k3-train: error: ") and PUSH_FAILURES[case][0] in error[0]
+    assert not (tmp_path / "run").exists()  # nothing trained, nothing written
 
 
 def test_push_options_spelled_as_before_work_for_one_release_naming_the_new_spelling(pushed, fake_hub, capsys):

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
 
 from kimi_k3.job import main as train
 from kimi_k3.optim.muon import PerHeadMuon
@@ -21,6 +22,8 @@ from kimi_k3.quantization.qat import (
     qat_bytes_per_expert_weight,
 )
 from kimi_k3.checkpoint.release_format import export_released
+from kimi_k3.text.corpus import load_corpus, tokenize_into_blocks
+from kimi_k3.text.tokenizer import load_tokenizer
 from modeling_kimi_k3 import KimiK3Experts, KimiK3ForCausalLM, situ_and_mul
 from tests.conftest import tiny_config
 from tests.job.test_train import TINY_MODEL, run_interrupted, run_main, tiny_args, write_corpus
@@ -341,6 +344,45 @@ def test_unknown_qat_format_is_refused_by_the_argument_parser_naming_the_choices
     message = capsys.readouterr().err.strip().splitlines()[-1]
     assert "argument --qat: invalid choice: 'nvfp4' (choose from" in message and "mxfp4" in message
     assert not (tmp_path / "out").exists()
+
+
+def held_out_eval_loss(folder: Path, corpus: Path, tmp_path: Path) -> float:
+    """The eval loss of ``folder`` reloaded as a user would, on the job's held-out blocks of ``corpus``."""
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    tokenizer = load_tokenizer(folder)
+    splits, _ = load_corpus([str(corpus)], "text", 5.0)
+    validation = tokenize_into_blocks(splits, tokenizer, block_size=32)["validation"]
+    args = TrainingArguments(tmp_path / "eval", per_device_eval_batch_size=16, report_to="none", use_cpu=True)
+    trainer = Trainer(model, args, eval_dataset=validation, data_collator=default_data_collator)
+    return trainer.evaluate()["eval_loss"]
+
+
+def test_qat_job_folder_reloads_as_its_own_mxfp4_export_with_the_cards_eval_loss(tmp_path, ids):
+    corpus = write_corpus(tmp_path)
+    extra = ["--qat", "mxfp4", "--max_steps", "6", "--save_steps", "3", "--eval_steps", "3"]
+    assert run_main(tiny_args(tmp_path / "run", corpus, *QAT_MODEL_OVERRIDES, *extra))[0] == 0
+    folder = tmp_path / "run" / "model"
+    export_released(folder, tmp_path / "released", progress=False)  # what `kimi-k3-convert to-release` writes
+    reloaded = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "released", trust_remote_code=True).eval()
+    inputs = ids % reloaded.config.vocab_size
+    with torch.no_grad():
+        assert (reloaded(inputs).logits - exported(inputs).logits).abs().max() <= 1e-5
+
+    # The checkpoint keeps the fp32 masters for resuming; the folder their MXFP4 values, which a QAT forward computes.
+    master = KimiK3ForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint-6").eval()
+    assert not torch.equal(master.state_dict()["model.layers.1.block_sparse_moe.experts.down_proj"],
+                           reloaded.state_dict()["model.layers.1.block_sparse_moe.experts.down_proj"])
+    attach_qat(master)
+    with torch.no_grad():
+        assert torch.equal(bits(master(inputs).logits), bits(reloaded(inputs).logits))
+
+    state = json.loads((tmp_path / "run" / "checkpoint-6" / "trainer_state.json").read_text())
+    run_eval_loss = next(entry["eval_loss"] for entry in reversed(state["log_history"]) if "eval_loss" in entry)
+    assert held_out_eval_loss(folder, corpus, tmp_path) == pytest.approx(run_eval_loss, rel=1e-6)
+    card = (folder / "README.md").read_text()
+    assert f"| final eval loss | {run_eval_loss:.3f} |" in card
+    assert "routed experts on the MXFP4 grid (the checkpoints keep the masters)" in card
 
 
 def test_qat_refuses_shared_basis_experts_in_one_line():
