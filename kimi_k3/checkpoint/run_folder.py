@@ -12,6 +12,8 @@ import json
 import os
 import shutil
 import socket
+import stat
+import sys
 import tempfile
 import time
 import uuid
@@ -48,7 +50,7 @@ class OutputFolderLock:
         self._created = missing[: next(i for i, path in enumerate(missing) if path.exists())]
         self.folder.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_lock_file(self.path)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -67,7 +69,11 @@ class OutputFolderLock:
     def release(self) -> None:
         if self._fd is None:
             return
-        self.path.unlink(missing_ok=True)  # while still locked, so no other job can have locked this file
+        try:
+            self.path.unlink(missing_ok=True)  # while still locked, so no other job can have locked this file
+        except OSError as error:  # the folder became read-only: the kernel still drops the lock at close
+            print(f"kimi-k3-train: warning: could not remove {self.path} ({os.strerror(error.errno)}); the next job "
+                  "takes it over", file=sys.stderr)
         os.close(self._fd)
         self._fd = None
         for folder in self._created:
@@ -81,6 +87,39 @@ class OutputFolderLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def open_lock_file(path: Path) -> int:
+    """Open (or create) the lock file itself, never the target of a link planted in its place: its content is
+    overwritten with this job's pid record."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as error:
+        if error.errno != errno.ELOOP:
+            raise
+        raise FolderNotWritableError(planted_link_message(path)) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise FolderNotWritableError(f"--output_dir {path.parent}: {path.name} is not a regular file; remove it")
+    return fd
+
+
+def planted_link_message(path: Path) -> str:
+    return (
+        f"--output_dir {path.parent}: {path.name} is a symbolic link (to {os.readlink(path)}); the job never writes "
+        "through a link: remove it"
+    )
+
+
+def write_new_file(path: Path, content: bytes) -> None:
+    """Write ``content`` into a file that did not exist: no link planted at ``path`` is followed, nothing is
+    overwritten."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    except FileExistsError:
+        raise FolderNotWritableError(f"{path} already exists (a file or a link another process put there)") from None
+    with os.fdopen(fd, "wb") as file:
+        file.write(content)
 
 
 def read_holder(path: Path) -> str:

@@ -3,6 +3,7 @@ checks that stop a run with one line naming the flag before anything is written.
 
 import difflib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,6 +119,11 @@ class ModelArguments:
                           "(MXFP4 experts, what a --qat run evaluated).",
                   "choices": FINAL_LAYOUTS},
     )
+    reinitialize_missing_trainer_state: bool = field(
+        default=False,
+        metadata={"help": "Resume a checkpoint that lacks optimizer.pt, scheduler.pt or its RNG state, starting them "
+                          "afresh (with a warning); without it such a checkpoint is refused."},
+    )
 
 
 @dataclass
@@ -225,6 +231,13 @@ def check_batch_sizes(training_args: TrainingArguments) -> None:
         value = getattr(training_args, name)
         if value < 1:
             raise UsageError(f"--{name} must be >= 1, got {value}")
+
+
+def check_learning_rate(training_args: TrainingArguments) -> None:
+    """A NaN or infinite rate would train into non-finite weights from the first step."""
+    rate = training_args.learning_rate
+    if not math.isfinite(rate) or rate < 0:
+        raise UsageError(f"--learning_rate must be a finite number >= 0, got {rate}")
 
 
 def check_data_limits(data_args: DataArguments, training_args: TrainingArguments) -> None:

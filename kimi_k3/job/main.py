@@ -18,6 +18,7 @@ from transformers import TrainerState, TrainingArguments, default_data_collator,
 from configuration_kimi_k3 import KimiK3Config
 from kimi_k3.attachments.seams import find_routed_experts, find_routers
 from kimi_k3.checkpoint import run_folder
+from kimi_k3.checkpoint.finite import first_non_finite
 from kimi_k3.job import expert_load
 from kimi_k3.job.arguments import (
     ModelArguments,
@@ -26,6 +27,7 @@ from kimi_k3.job.arguments import (
     check_batch_sizes,
     check_block_size,
     check_data_limits,
+    check_learning_rate,
     check_world_size,
     config_overrides,
     parse_args,
@@ -34,6 +36,7 @@ from kimi_k3.job.arguments import (
     resolve_checkpoint,
 )
 from kimi_k3.job.expert_load import ExpertLoadRecorder
+from kimi_k3.job.health import TrainingDiverged, TrainingHealthCallback, check_finite_metric, check_finite_weights
 from kimi_k3.job.final_save import (
     FINAL_MODEL_DIR,
     expert_load_picture,
@@ -45,6 +48,7 @@ from kimi_k3.job.final_save import (
     training_summary,
     write_file_atomically,
 )
+from kimi_k3.job.resume_manifest import CheckpointFileError, check_trainer_files
 from kimi_k3.job.resumable import ResumableCallback, TrainingClock
 from kimi_k3.job.trainer import KimiK3Trainer, SaveError, check_resumable, finished_step
 from kimi_k3.kernels.fused_situ import use_fused_situ
@@ -71,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             model_args, data_args, card_args, training_args = parse_args(argv)
             check_batch_sizes(training_args)
+            check_learning_rate(training_args)
             check_data_limits(data_args, training_args)
             check_world_size(training_args)
             warn_if_bf16_is_emulated(training_args.bf16, training_args.device)
@@ -80,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
             metadata = card_settings(card_args, model_args, data_args)
             lock = claim_output_folder(training_args)
             checkpoint = resolve_checkpoint(training_args)
+            if checkpoint is not None:
+                check_trainer_files(checkpoint, training_args, model_args.reinitialize_missing_trainer_state)
             set_seed(training_args.seed)  # Trainer seeds only in its constructor, after the model is initialised
 
             splits, data_description = load_corpus(
@@ -104,10 +111,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         try:
             return run(trainer, model_args, data_args, blocks, data_description, checkpoint, publish, metadata)
-        except DataError as error:  # a stream is checked as it is read
+        except (DataError, CheckpointFileError) as error:  # a stream is checked as it is read, Trainer state as loaded
             print(f"kimi-k3-train: error: {error}", file=sys.stderr)
             return 2
-        except SaveError as error:
+        except (SaveError, TrainingDiverged) as error:
             print(f"kimi-k3-train: error: {error}", file=sys.stderr)
             return 1
     finally:
@@ -141,8 +148,10 @@ def run(trainer, model_args, data_args, blocks, data_description, checkpoint, pu
             if isinstance(callback, ResumableCallback):
                 callback.resume_from(trainer.state)
     eval_metrics = evaluation_at_last_step(trainer.state) or trainer.evaluate()
+    check_finite_metric(eval_metrics, "eval_loss")
     if not trainer.is_world_process_zero():
         return 0
+    check_finite_weights(trainer.model.named_parameters(), str(model_dir))
 
     layer_balance = measure_expert_load(trainer.model, blocks["validation"], training_args.per_device_eval_batch_size)
     summary = training_summary(trainer, model_args, data_description, blocks, data_args.block_size, eval_metrics,
@@ -209,6 +218,7 @@ def build_model(model_args: ModelArguments, tokenizer, checkpoint: str | None,
         model = KimiK3ForCausalLM(KimiK3Config.from_pretrained(checkpoint, **overrides))
     elif model_args.model_name_or_path is not None:
         model = KimiK3ForCausalLM.from_pretrained(model_args.model_name_or_path, **overrides)
+        refuse_non_finite_base_model(model, model_args.model_name_or_path)
     else:
         token_ids = {
             "vocab_size": len(tokenizer),
@@ -226,6 +236,15 @@ def build_model(model_args: ModelArguments, tokenizer, checkpoint: str | None,
             "(full_attention) layer; pass --qk_clip_tau none"
         )
     return model
+
+
+def refuse_non_finite_base_model(model: KimiK3ForCausalLM, name_or_path: str) -> None:
+    found = first_non_finite(model.named_parameters())
+    if found is not None:
+        raise UsageError(
+            f"--model_name_or_path {name_or_path}: its tensor {found[0]} holds {found[1]} non-finite value(s) (NaN or "
+            "infinity); fine-tune from a folder saved before that model diverged"
+        )
 
 
 def attach_expert_qat(model_args: ModelArguments, model: KimiK3ForCausalLM) -> None:
@@ -248,7 +267,7 @@ def optimizer_and_callbacks(model_args: ModelArguments, training_args: TrainingA
     optimizer_cls_and_kwargs = None
     if model_args.optimizer == "per_head_muon":
         optimizer_cls_and_kwargs = PerHeadMuonFactory.from_training_args(training_args, ns_dtype=model_args.muon_ns_dtype)
-    callbacks = []
+    callbacks = [TrainingHealthCallback()]
     if qk_clip_tau is not None:
         callbacks.append(QKClipCallback(qk_clip_tau))
     if find_routers(model):

@@ -5,15 +5,20 @@ import json
 import math
 import shutil
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from accelerate.utils import broadcast_object_list
 from transformers import Trainer, TrainingArguments
+from transformers.trainer import OPTIMIZER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from checkpoint_format_kimi_k3 import verify_checkpoint_files
 from kimi_k3.checkpoint import run_folder
+from kimi_k3.checkpoint.finite import check_finite_files
 from kimi_k3.checkpoint.release_format import checkpoint_shard_files
+from kimi_k3.job.health import check_finite_weights
+from kimi_k3.job.resume_manifest import CheckpointFileError, first_line, rng_state_names
 from kimi_k3.parallel.sharding import load_full_state_dict
 
 # Written into every checkpoint: what a resume compares its own global batch with.
@@ -53,6 +58,7 @@ class KimiK3Trainer(Trainer):
         """
         run_dir = Path(super()._get_output_dir(trial))
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        check_finite_weights(self.model.named_parameters(), name)
         staging = run_dir / run_folder.staging_name(name, self.staging_tag)
         if self.args.should_save:
             shutil.rmtree(staging, ignore_errors=True)
@@ -85,6 +91,15 @@ class KimiK3Trainer(Trainer):
             use_mtime=True,
         )
 
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Scheduler and RNG files were loaded once by `check_trainer_files`; what fails here is the optimizer's."""
+        with failure_names_file(checkpoint, OPTIMIZER_NAME):
+            super()._load_optimizer_and_scheduler(checkpoint)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        with failure_names_file(checkpoint, rng_state_names(self.args)[self.args.process_index]):
+            super()._load_rng_state(checkpoint)
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """Refuse a checkpoint that does not hold exactly the model's tensors (`from_pretrained`'s own check): Trainer
         would otherwise only warn and train on with, say, a freshly initialised ``lm_head``."""
@@ -110,6 +125,18 @@ class KimiK3Trainer(Trainer):
         load_full_state_dict(self.model, saved.state_dict())
 
 
+@contextmanager
+def failure_names_file(checkpoint: str | None, name: str):
+    """Loading Trainer state from ``checkpoint`` fails as one `CheckpointFileError` naming the file."""
+    try:
+        yield
+    except Exception as error:
+        raise CheckpointFileError(
+            f"{Path(checkpoint) / name} cannot be loaded into this run (corrupt, truncated, or saved by another "
+            f"optimizer?): {first_line(error)}"
+        ) from error
+
+
 def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else math.inf
 
@@ -121,7 +148,7 @@ def save_failure(name: str, folder: Path, error: BaseException) -> str:
 
 
 def write_batch_size(args: TrainingArguments, path: Path) -> None:
-    path.write_text(json.dumps(batch_size(args)) + "\n")
+    run_folder.write_new_file(path, (json.dumps(batch_size(args)) + "\n").encode())
 
 
 def batch_size(args: TrainingArguments) -> dict[str, int]:
@@ -135,8 +162,11 @@ def batch_size(args: TrainingArguments) -> dict[str, int]:
 
 
 def check_resumable(model, checkpoint: str, training_args: TrainingArguments) -> None:
-    """The checkpoint must hold exactly the model's tensors; a changed global batch is allowed but announced."""
-    verify_checkpoint_files(model, checkpoint_shard_files(Path(checkpoint)))
+    """The checkpoint must hold exactly the model's tensors, all finite; a changed global batch is allowed but
+    announced."""
+    shard_files = checkpoint_shard_files(Path(checkpoint))
+    verify_checkpoint_files(model, shard_files)
+    check_finite_files(shard_files, f"--resume_from_checkpoint {checkpoint}")
     saved = Path(checkpoint) / BATCH_FILE
     if not saved.is_file():
         return
