@@ -56,12 +56,61 @@ def expert_block_rows(fused_name: str, fused_shape: tuple[int, ...]) -> int:
 
 def per_expert_shapes(name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
     """Checkpoint names and shapes that store the model tensor ``name``: one per expert and part for fused experts."""
-    stem, _, leaf = name.rpartition(".")
-    if not stem.endswith(".experts") or leaf not in EXPERT_LAYOUT:
+    if not _is_fused_expert(name):
         return {name: shape}
+    stem, _, leaf = name.rpartition(".")
     num_experts, _, columns = shape
     rows = expert_block_rows(leaf, shape)
     return {f"{stem}.{e}.{part}.weight": (rows, columns) for e in range(num_experts) for part in EXPERT_LAYOUT[leaf]}
+
+
+# Memory the strict check spends per checkpoint name: about 200 bytes per entry of a name -> shape dict (measured with
+# tracemalloc, CPython 3.11), and the check holds three such tables (shapes, expected, sources).
+NAME_TABLE_BYTES = 600
+
+
+def available_memory_bytes() -> int | None:
+    """What this process may still allocate: the least of the free memory (MemAvailable), the address-space limit
+    (``ulimit -v``) and the cgroup's limit; None where none of them can be read."""
+    limits = []
+    try:
+        with open("/proc/meminfo") as meminfo:
+            limits += [int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:")]
+    except OSError:
+        pass
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        limits += [soft] if soft != resource.RLIM_INFINITY else []
+    except (ImportError, OSError, ValueError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as cgroup:
+            text = cgroup.read().strip()
+        limits += [int(text)] if text.isdigit() else []
+    except OSError:
+        pass
+    return min(limits) if limits else None
+
+
+def check_name_count(shapes: dict[str, tuple[int, ...]]) -> None:
+    """Refuse, before building them, per-expert names that alone would not fit in memory (a config whose
+    ``num_experts`` is absurd would otherwise exhaust it slowly)."""
+    count = sum(len(EXPERT_LAYOUT[name.rpartition(".")[2]]) * shape[0] if _is_fused_expert(name) else 1
+                for name, shape in shapes.items())
+    needed, available = count * NAME_TABLE_BYTES, available_memory_bytes()
+    if available is not None and needed > available:
+        raise ValueError(
+            f"Refusing the config: num_experts gives {count:,} per-expert checkpoint names, about "
+            f"{needed / 2**30:,.1f} GiB to check, more than the {available / 2**30:,.1f} GiB of memory available; "
+            "check num_experts in config.json"
+        )
+
+
+def _is_fused_expert(name: str) -> bool:
+    stem, _, leaf = name.rpartition(".")
+    return stem.endswith(".experts") and leaf in EXPERT_LAYOUT
 
 
 def fuse_per_expert_weights(state_dict: dict, prefix: str, num_experts: int) -> str | None:
@@ -387,15 +436,16 @@ def checkpoint_shapes(model, stored_names=()) -> dict[str, tuple[int, ...]]:
     stored_prefixed = not text_names or any(name.startswith(base_prefix) for name in text_names)
     is_base_model = model.base_model is model
     tied = set(getattr(model, "all_tied_weights_keys", {}))  # stored once, as the tensor they are tied to
+    state = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    check_name_count(state)
     shapes = {}
-    for name, tensor in model.state_dict().items():
+    for name, shape in state.items():
         if name in tied:
             continue
         if is_base_model and stored_prefixed:
             name = base_prefix + name
         elif not is_base_model and not stored_prefixed:
             name = name.removeprefix(base_prefix)
-        shape = tuple(tensor.shape)
         shapes.update({name: shape} if name in stored_names else per_expert_shapes(name, shape))
     return shapes
 

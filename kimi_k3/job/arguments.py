@@ -17,7 +17,7 @@ from configuration_kimi_k3 import KimiK3Config
 from kimi_k3.optim.precision import PRECISION_CHOICES
 from kimi_k3.policies.qk_clip import check_tau
 from kimi_k3.publishing import hub
-from kimi_k3.publishing.model_card import card_metadata, hub_repo_id
+from kimi_k3.publishing.model_card import card_metadata, hub_repo_id, is_repo_id
 from kimi_k3.quantization.qat import ACTIVATION_FORMATS, WEIGHT_FORMATS
 from kimi_k3.text.corpus import PACKING_MODES, STREAM_EVAL_BLOCKS, STREAM_TOKENIZER_DOCUMENTS, DataError
 
@@ -274,10 +274,21 @@ def publish_settings(training_args: TrainingArguments) -> Publish | None:
     """
     if not (training_args.push_to_hub or training_args.hub_model_id):
         return None
-    token = hub.resolve_token(training_args.hub_token)
     repo_id = training_args.hub_model_id or Path(training_args.output_dir).name
+    check_repo_id(repo_id, named=training_args.hub_model_id is not None)
+    token = hub.resolve_token(training_args.hub_token)
     training_args.push_to_hub = False
     return Publish(repo_id, token, training_args.hub_revision, training_args.hub_private_repo)
+
+
+def check_repo_id(repo_id: str, named: bool) -> None:
+    """Checked before training: the hub would refuse the push only after the run."""
+    if not is_repo_id(repo_id):
+        source = f"--hub_model_id {repo_id!r}" if named else f"--push_to_hub: the name of --output_dir, {repo_id!r},"
+        raise UsageError(
+            f"{source} is not a hub repository id (NAME or OWNER/NAME of letters, digits, '-', '_' and '.', at most "
+            "96 characters, no '--' or '..'); pass a valid --hub_model_id"
+        )
 
 
 def card_settings(card_args: CardArguments, model_args: ModelArguments, data_args: DataArguments) -> dict[str, object]:

@@ -48,7 +48,9 @@ from kimi_k3.job.final_save import (
     training_summary,
     write_file_atomically,
 )
+from kimi_k3.job.resources import check_model_fits_memory
 from kimi_k3.job.resume_manifest import CheckpointFileError, check_trainer_files
+from kimi_k3.job.run_settings import check_unchanged, run_settings
 from kimi_k3.job.resumable import ResumableCallback, TrainingClock
 from kimi_k3.job.trainer import KimiK3Trainer, SaveError, check_resumable, finished_step
 from kimi_k3.kernels.fused_situ import use_fused_situ
@@ -98,14 +100,17 @@ def main(argv: list[str] | None = None) -> int:
             model = build_model(model_args, tokenizer, checkpoint, qk_clip_tau)
             attach_expert_qat(model_args, model)
             check_block_size(data_args.block_size, model.config)
+            settings = run_settings(model_args, data_args, training_args)
             if checkpoint is not None:
                 check_resumable(model, checkpoint, training_args)
+                check_unchanged(checkpoint, settings, model.config)
             blocks = tokenize_into_blocks(splits, tokenizer, data_args.block_size, data_args.packing)
             blocks = {"train": blocks["train"], "validation": evaluation_blocks(blocks["validation"],
                                                                                 data_args.max_eval_samples)}
             optimizer_cls_and_kwargs, callbacks = optimizer_and_callbacks(model_args, training_args, model, qk_clip_tau)
             callbacks.append(TrainingClock(start))
             trainer = build_trainer(model, tokenizer, blocks, training_args, optimizer_cls_and_kwargs, callbacks)
+            trainer.run_settings = settings
         except ValueError as error:
             print(f"kimi-k3-train: error: {error}", file=sys.stderr)
             return 2
@@ -213,20 +218,13 @@ def build_model(model_args: ModelArguments, tokenizer, checkpoint: str | None,
 
     A resumed model gets its weights from Trainer's checkpoint loading, together with the optimizer state.
     """
-    overrides = config_overrides(model_args.config_overrides)
-    if checkpoint is not None:
-        model = KimiK3ForCausalLM(KimiK3Config.from_pretrained(checkpoint, **overrides))
-    elif model_args.model_name_or_path is not None:
-        model = KimiK3ForCausalLM.from_pretrained(model_args.model_name_or_path, **overrides)
+    config, source = model_config(model_args, tokenizer, checkpoint)
+    check_model_fits_memory(config, source)
+    if checkpoint is None and model_args.model_name_or_path is not None:
+        model = KimiK3ForCausalLM.from_pretrained(model_args.model_name_or_path, config=config)
         refuse_non_finite_base_model(model, model_args.model_name_or_path)
     else:
-        token_ids = {
-            "vocab_size": len(tokenizer),
-            "pad_token_id": tokenizer.pad_token_id,
-            "bos_token_id": tokenizer.bos_token_id,
-            "eos_token_id": tokenizer.eos_token_id,
-        }
-        model = KimiK3ForCausalLM(KimiK3Config(**{**token_ids, **overrides}))
+        model = KimiK3ForCausalLM(config)
     check_tokenizer_fits(tokenizer, model.config)
     if model_args.fused_situ:
         use_fused_situ(model)
@@ -236,6 +234,23 @@ def build_model(model_args: ModelArguments, tokenizer, checkpoint: str | None,
             "(full_attention) layer; pass --qk_clip_tau none"
         )
     return model
+
+
+def model_config(model_args: ModelArguments, tokenizer, checkpoint: str | None) -> tuple[KimiK3Config, str]:
+    """The model's config with --config_overrides applied, and the flag it came from."""
+    overrides = config_overrides(model_args.config_overrides)
+    if checkpoint is not None:
+        return KimiK3Config.from_pretrained(checkpoint, **overrides), f"--resume_from_checkpoint {checkpoint}"
+    if model_args.model_name_or_path is not None:
+        source = f"--model_name_or_path {model_args.model_name_or_path}"
+        return KimiK3Config.from_pretrained(model_args.model_name_or_path, **overrides), source
+    token_ids = {
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+    return KimiK3Config(**{**token_ids, **overrides}), "--config_overrides"
 
 
 def refuse_non_finite_base_model(model: KimiK3ForCausalLM, name_or_path: str) -> None:

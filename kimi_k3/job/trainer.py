@@ -18,6 +18,7 @@ from kimi_k3.checkpoint import run_folder
 from kimi_k3.checkpoint.finite import check_finite_files
 from kimi_k3.checkpoint.release_format import checkpoint_shard_files
 from kimi_k3.job.health import check_finite_weights
+from kimi_k3.job.run_settings import RUN_SETTINGS_FILE, encoded
 from kimi_k3.job.resume_manifest import CheckpointFileError, first_line, rng_state_names
 from kimi_k3.parallel.sharding import load_full_state_dict
 
@@ -34,6 +35,8 @@ class KimiK3Trainer(Trainer):
     evaluations report perplexity."""
 
     _staging_run_dir: Path | None = None
+    # What `kimi_k3.job.run_settings.check_unchanged` compares a resume with; the job sets it.
+    run_settings: dict | None = None
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -69,6 +72,7 @@ class KimiK3Trainer(Trainer):
             self.accelerator.wait_for_everyone()
             if self.args.should_save:
                 write_batch_size(self.args, staging / name / BATCH_FILE)
+                self._write_run_settings(staging / name)
                 self._publish_checkpoint(staging / name, run_dir / name)
         except Exception as error:
             raise SaveError(save_failure(name, run_dir, error)) from error
@@ -76,6 +80,10 @@ class KimiK3Trainer(Trainer):
             self._staging_run_dir = None
             if self.args.should_save:
                 shutil.rmtree(staging, ignore_errors=True)
+
+    def _write_run_settings(self, checkpoint: Path) -> None:
+        if self.run_settings is not None:
+            run_folder.write_new_file(checkpoint / RUN_SETTINGS_FILE, encoded(self.run_settings))
 
     def _publish_checkpoint(self, staged: Path, target: Path) -> None:
         best = self.state.best_model_checkpoint

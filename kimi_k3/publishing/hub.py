@@ -18,7 +18,7 @@ from kimi_k3.publishing.model_card import is_our_card, metadata_problems
 
 # Trainer state a checkpoint folder holds besides the model; none of it belongs in a published model.
 TRAINING_STATE_PATTERNS = ["optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state*.pth", "trainer_state.json",
-                           "training_args.bin", "batch_size.json", ".*"]
+                           "training_args.bin", "batch_size.json", "run_settings.json", ".*"]
 REQUIRED_FILES = (
     "config.json", "checkpoint_format_kimi_k3.py", "configuration_kimi_k3.py", "modeling_kimi_k3.py", "tokenizer.json"
 )
