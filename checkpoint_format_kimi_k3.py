@@ -390,6 +390,12 @@ def released_config_dict(config) -> dict:
     }
 
 
+_SAFETENSORS_DTYPE_NAMES = {
+    torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.uint8: "U8",
+    torch.int8: "I8", torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL",
+}  # fmt: skip
+
+
 class CheckpointEntry(NamedTuple):
     path: str
     shape: tuple[int, ...]
@@ -410,8 +416,34 @@ def read_safetensors_headers(shard_files: list[str]) -> dict[str, CheckpointEntr
     return entries
 
 
+def read_torch_headers(shard_files: list[str]) -> dict[str, CheckpointEntry]:
+    """The same for ``pytorch_model.bin`` shards, read onto the meta device: names, shapes and dtypes, no data."""
+    entries = {}
+    for path in shard_files:
+        try:
+            state_dict = torch.load(path, map_location="meta", weights_only=True)
+        except Exception as error:  # torch reports a corrupt zip or pickle in many classes
+            raise ValueError(f"Checkpoint shard {path} cannot be read (truncated or corrupted?): {error}") from error
+        for name, tensor in state_dict.items():
+            dtype = _SAFETENSORS_DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))
+            entries[name] = CheckpointEntry(str(path), tuple(tensor.shape), dtype)
+    return entries
+
+
+def read_checkpoint_headers(shard_files: list[str]) -> dict[str, CheckpointEntry] | None:
+    """Every tensor of safetensors or ``.bin`` shards; None for a mix, which transformers' own loader reads."""
+    if all(str(path).endswith(".safetensors") for path in shard_files):
+        return read_safetensors_headers(shard_files)
+    if all(str(path).endswith(".bin") for path in shard_files):
+        return read_torch_headers(shard_files)
+    return None
+
+
 def read_checkpoint_tensor(entries: dict[str, CheckpointEntry], name: str) -> torch.Tensor:
-    with safe_open(entries[name].path, framework="pt") as shard:
+    path = entries[name].path
+    if path.endswith(".bin"):
+        return torch.load(path, mmap=True, weights_only=True)[name]
+    with safe_open(path, framework="pt") as shard:
         return shard.get_tensor(name)
 
 
@@ -595,8 +627,8 @@ def load_checkpoint(load: Callable, model, state_dict, checkpoint_files, load_co
     """
     strict = STRICT_LOADING.get()
     entries = None
-    if state_dict is None and checkpoint_files and all(str(path).endswith(".safetensors") for path in checkpoint_files):
-        entries = read_safetensors_headers(checkpoint_files)
+    if state_dict is None and checkpoint_files:
+        entries = read_checkpoint_headers(checkpoint_files)
     released = entries is not None and is_released_layout(entries)
     if strict and entries is not None:
         verify_checkpoint_entries(model, entries)

@@ -10,6 +10,7 @@ import errno
 import fcntl
 import json
 import os
+import resource
 import shutil
 import socket
 import stat
@@ -20,6 +21,9 @@ import uuid
 from pathlib import Path
 
 LOCK_NAME = ".kimi-k3.lock"
+# Trainer state a checkpoint folder holds besides the model; none of it belongs in a published or converted model.
+TRAINER_STATE_PATTERNS = ["optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state*.pth", "trainer_state.json",
+                          "training_args.bin", "batch_size.json", "run_settings.json"]
 STAGING_PREFIX = ".staging-"
 REPLACED_SUFFIX = ".replaced"
 
@@ -39,9 +43,9 @@ class OutputFolderLock:
     """Exclusive, non-blocking lock of ``folder`` for the life of one job. ``release`` removes the lock file, and the
     folder too when the lock created it and nothing else was written (a job stopped by bad input leaves no trace)."""
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, name: str = LOCK_NAME):
         self.folder = Path(folder)
-        self.path = self.folder / LOCK_NAME
+        self.path = self.folder / name
         self._fd: int | None = None
         self._created: list[Path] = []
 
@@ -235,9 +239,29 @@ def recover_replacements(folder: Path) -> list[str]:
     return restored
 
 
+def remove_stale_staging(target: Path) -> list[str]:
+    """Remove the staging folders of ``target`` that killed writers left beside it; only the holder of ``target``'s
+    lock may call this. Returns their names."""
+    stale = sorted(path for path in target.parent.glob(f"{STAGING_PREFIX}{target.name}-*")
+                   if path.is_dir() and len(path.name) == len(staging_name(target.name, new_tag())))
+    for path in stale:
+        shutil.rmtree(path)
+    return [path.name for path in stale]
+
+
+def size_limit_reached(error: BaseException) -> bool:
+    """EFBIG, or a writer's out-of-room report while a file size limit (``ulimit -f``) is set: the disk may have room."""
+    if isinstance(error, OSError) and error.errno == errno.EFBIG:
+        return True
+    return _writer_out_of_room(str(error)) and resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY
+
+
+def _writer_out_of_room(text: str) -> bool:
+    return "unexpected pos" in text or "file write failed" in text
+
+
 def is_disk_full(error: BaseException) -> bool:
     """ENOSPC/EDQUOT, also when a writer (torch.save's zip writer, safetensors) reports it in its own words."""
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
-    text = str(error)
-    return "No space left" in text or "unexpected pos" in text or "file write failed" in text
+    return "No space left" in str(error) or _writer_out_of_room(str(error))

@@ -12,13 +12,13 @@ from pathlib import Path
 from huggingface_hub import HfApi, ModelCard, constants, get_session, get_token
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
+from kimi_k3.checkpoint import run_folder
 from kimi_k3.checkpoint.finite import check_finite_files
 from kimi_k3.checkpoint.release_format import checkpoint_shard_files
 from kimi_k3.publishing.model_card import is_our_card, metadata_problems
 
-# Trainer state a checkpoint folder holds besides the model; none of it belongs in a published model.
-TRAINING_STATE_PATTERNS = ["optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state*.pth", "trainer_state.json",
-                           "training_args.bin", "batch_size.json", "run_settings.json", ".*"]
+# Trainer state and hidden files (staging folders, the job's lock) never belong in a published model.
+TRAINING_STATE_PATTERNS = [*run_folder.TRAINER_STATE_PATTERNS, ".*"]
 REQUIRED_FILES = (
     "config.json", "checkpoint_format_kimi_k3.py", "configuration_kimi_k3.py", "modeling_kimi_k3.py", "tokenizer.json"
 )

@@ -1,10 +1,12 @@
 """Nothing silent: a diverged run fails and publishes nothing, a mistyped path runs no stranger's code, the job writes
 through no planted link, a resume restores everything or says why not, and sizes are bounded before allocation."""
 
+import errno
 import importlib.util
 import json
 import math
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from checkpoint_format_kimi_k3 import available_memory_bytes
 from kimi_k3.checkpoint import run_folder
 from kimi_k3.job import main as train
 from kimi_k3.job.health import TrainingDiverged, check_finite_metric
+from kimi_k3.job.trainer import save_failure
 from kimi_k3.publishing import hub
 from kimi_k3.publishing.model_card import TrainingSummary, render_model_card
 from modeling_kimi_k3 import KimiK3ForCausalLM
@@ -212,16 +215,30 @@ def test_job_files_are_written_only_as_new_files_never_through_a_link(tmp_path):
     assert victim.read_text() == "keep"
 
 
-def test_lock_release_in_a_folder_made_read_only_mid_run_warns_in_one_line(tmp_path, capsys):
-    if os.geteuid() == 0:
-        pytest.skip("root ignores permission bits")
+def test_lock_release_in_a_folder_made_read_only_mid_run_warns_in_one_line(tmp_path, monkeypatch, capsys):
     lock = run_folder.OutputFolderLock(tmp_path / "out").acquire()
-    (tmp_path / "out").chmod(0o555)
+
+    def read_only(path, missing_ok=False):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(type(lock.path), "unlink", read_only)
+    lock.release()
+    assert capsys.readouterr().err == (
+        f"kimi-k3-train: warning: could not remove {lock.path} (Permission denied); the next job takes it over\n"
+    )
+
+
+def test_a_file_size_limit_is_not_reported_as_a_full_disk(tmp_path):
+    short_write = RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 686016 vs 685908")
+    assert "(the file size limit, ulimit -f, was reached)" in save_failure("model", tmp_path, OSError(errno.EFBIG, "x"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2**40, hard))
     try:
-        lock.release()
+        limited = save_failure("checkpoint-4", tmp_path, short_write)
     finally:
-        (tmp_path / "out").chmod(0o755)
-    assert capsys.readouterr().err.startswith(f"kimi-k3-train: warning: could not remove {lock.path} (Permission")
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert limited.startswith("saving checkpoint-4 in ") and "(the file size limit, ulimit -f, was reached)" in limited
+    assert "(the disk is full)" in save_failure("checkpoint-4", tmp_path, short_write)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
