@@ -11,6 +11,8 @@ import argparse
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
@@ -29,19 +31,19 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
 
 
 def missing_local_path(name: str) -> str | None:
-    """Why ``name`` must be a local folder but is none, or None when it is a folder or reads as a hub repo id.
-
-    A repo id is ``name`` or ``owner/name``; anything else (``./x``, ``/x``, ``~/x``, ``a/b/c``), or an ``a/b``
-    whose ``a`` is a folder here, is a path.
-    """
+    """Why ``name`` must be a local folder but is none, or None when it is a folder or reads as a hub repo id: ``NAME``
+    or ``OWNER/NAME`` (the hub's rules), with no folder ``OWNER`` here."""
     path = Path(name).expanduser()
     if path.is_dir():
         return None
     if path.exists():
         return f"{name} is a file, not a model folder"
-    parts = Path(name).parts
-    looks_like_path = name.startswith((".", "/", "~")) or "\\" in name or len(parts) > 2
-    if looks_like_path or (len(parts) == 2 and Path(parts[0]).is_dir()):
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return f"no such folder: {name} (a local path is never looked up on the hub)"
+    owner = Path(name).parts[0]
+    if "/" in name and Path(owner).is_dir():
         return f"no such folder: {name} (a local path is never looked up on the hub)"
     return None
 

@@ -233,6 +233,17 @@ def check_batch_sizes(training_args: TrainingArguments) -> None:
             raise UsageError(f"--{name} must be >= 1, got {value}")
 
 
+def check_local_sources(model_args: ModelArguments) -> None:
+    """A model or tokenizer argument that reads as a local path must exist: it is never fetched from the hub under
+    that name. A hub id is ``NAME`` or ``OWNER/NAME`` with no folder ``OWNER`` here."""
+    for flag in ("model_name_or_path", "tokenizer_name_or_path"):
+        value = getattr(model_args, flag)
+        if value is None or Path(value).expanduser().exists():
+            continue
+        if not is_repo_id(value) or ("/" in value and Path(Path(value).parts[0]).is_dir()):
+            raise UsageError(f"--{flag} {value}: no such folder (a local path is never looked up on the hub)")
+
+
 def check_learning_rate(training_args: TrainingArguments) -> None:
     """A NaN or infinite rate would train into non-finite weights from the first step."""
     rate = training_args.learning_rate

@@ -28,6 +28,7 @@ from kimi_k3.job.arguments import (
     check_block_size,
     check_data_limits,
     check_learning_rate,
+    check_local_sources,
     check_world_size,
     config_overrides,
     parse_args,
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             model_args, data_args, card_args, training_args = parse_args(argv)
             check_batch_sizes(training_args)
             check_learning_rate(training_args)
+            check_local_sources(model_args)
             check_data_limits(data_args, training_args)
             check_world_size(training_args)
             warn_if_bf16_is_emulated(training_args.bf16, training_args.device)

@@ -189,6 +189,17 @@ def test_generate_checks_max_new_tokens_against_the_position_limit_before_genera
     assert "--max_new_tokens 600 plus the prompt's" in message and "max_position_embeddings (512)" in message
 
 
+@pytest.mark.parametrize("flag", ["--model_name_or_path", "--tokenizer_name_or_path"])
+def test_job_refuses_a_missing_model_or_tokenizer_path_without_asking_the_hub(trained, tmp_path, monkeypatch, capsys,
+                                                                              flag):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "outputs").mkdir()
+    assert train.main(tiny_args(tmp_path / "out", trained[1], flag, "outputs/kimi-k3-smal")) == 2
+    assert last_error(capsys) == (
+        f"kimi-k3-train: error: {flag} outputs/kimi-k3-smal: no such folder (a local path is never looked up on the hub)"
+    )
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # No file is written through a planted link
 # ---------------------------------------------------------------------------------------------------------------------
