@@ -17,10 +17,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import TrainerCallback
 
-from checkpoint_format_kimi_k3 import available_memory_bytes
 from kimi_k3.checkpoint import run_folder
 from kimi_k3.job import main as train
-from kimi_k3.job.health import TrainingDiverged, check_finite_metric
 from kimi_k3.job.trainer import save_failure
 from kimi_k3.publishing import hub
 from kimi_k3.publishing.model_card import TrainingSummary, render_model_card
@@ -123,6 +121,8 @@ def test_a_folder_with_non_finite_weights_is_never_published(trained, tmp_path):
 
 
 def test_a_non_finite_final_evaluation_fails_the_run():
+    from kimi_k3.job.health import TrainingDiverged, check_finite_metric
+
     check_finite_metric({"eval_loss": 4.2}, "eval_loss")
     with pytest.raises(TrainingDiverged, match="the final eval_loss is nan; the final model was not saved"):
         check_finite_metric({"eval_loss": math.nan}, "eval_loss")
@@ -356,10 +356,8 @@ def test_config_whose_expert_names_alone_exceed_memory_is_refused_before_buildin
 
 @pytest.mark.parametrize("field", ["num_experts", "vocab_size"])
 def test_model_larger_than_memory_is_refused_naming_the_field_and_size(trained, tmp_path, capsys, field):
-    available = available_memory_bytes()
-    if available is None:
-        pytest.skip("this machine reports no memory limit")
-    overrides = {**TINY_MODEL, field: available // 16}  # each is the leading size of tensors wider than 4 floats
+    physical_memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    overrides = {**TINY_MODEL, field: physical_memory // 16}  # the leading size of tensors wider than 4 floats
     assert train.main(tiny_args(tmp_path / "out", trained[1], "--config_overrides", json.dumps(overrides))) == 2
     message = last_error(capsys)
     assert message.startswith("kimi-k3-train: error: --config_overrides: the model needs about")
