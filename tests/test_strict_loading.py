@@ -162,6 +162,12 @@ def test_pytorch_model_bin_folders_load_as_strictly_as_safetensors(saved, tmp_pa
     loaded = KimiK3ForCausalLM.from_pretrained(whole).state_dict()
     expected = KimiK3ForCausalLM.from_pretrained(saved).state_dict()
     assert all(torch.equal(loaded[name], expected[name]) for name in expected)
-    missing = bin_copy(saved, tmp_path / "missing", lambda tensors: tensors.pop(LM_HEAD))
-    with pytest.raises(ValueError, match=rf"Refusing the checkpoint: 1 text tensor.*missing {LM_HEAD} \[97, 32\]"):
-        KimiK3ForCausalLM.from_pretrained(missing)
+    def spoil(tensors):
+        tensors[NORM] = torch.ones(32, dtype=torch.int32)
+        tensors["model.extra.weight"] = torch.zeros(3)
+
+    spoiled = bin_copy(saved, tmp_path / "spoiled", spoil)
+    with pytest.raises(ValueError, match="Refusing the checkpoint: 2 text tensor") as error:
+        KimiK3ForCausalLM.from_pretrained(spoiled)
+    assert f"{NORM}: stored as I32, expected a floating-point dtype" in str(error.value)
+    assert "unexpected model.extra.weight [3]" in str(error.value)
