@@ -50,7 +50,7 @@ from kimi_k3.job.final_save import (
     write_file_atomically,
 )
 from kimi_k3.job.resources import check_model_fits_memory
-from kimi_k3.job.resume_manifest import CheckpointFileError, check_trainer_files
+from kimi_k3.job.resume_manifest import CheckpointFileError, check_trainer_files, first_line
 from kimi_k3.job.run_settings import check_unchanged, run_settings
 from kimi_k3.job.resumable import ResumableCallback, TrainingClock
 from kimi_k3.job.trainer import KimiK3Trainer, SaveError, check_resumable, finished_step
@@ -241,11 +241,9 @@ def build_model(model_args: ModelArguments, tokenizer, checkpoint: str | None,
 def model_config(model_args: ModelArguments, tokenizer, checkpoint: str | None) -> tuple[KimiK3Config, str]:
     """The model's config with --config_overrides applied, and the flag it came from."""
     overrides = config_overrides(model_args.config_overrides)
-    if checkpoint is not None:
-        return KimiK3Config.from_pretrained(checkpoint, **overrides), f"--resume_from_checkpoint {checkpoint}"
-    if model_args.model_name_or_path is not None:
-        source = f"--model_name_or_path {model_args.model_name_or_path}"
-        return KimiK3Config.from_pretrained(model_args.model_name_or_path, **overrides), source
+    for flag, folder in (("--resume_from_checkpoint", checkpoint), ("--model_name_or_path", model_args.model_name_or_path)):
+        if folder is not None:
+            return read_config(folder, flag, overrides), f"{flag} {folder}"
     token_ids = {
         "vocab_size": len(tokenizer),
         "pad_token_id": tokenizer.pad_token_id,
@@ -253,6 +251,14 @@ def model_config(model_args: ModelArguments, tokenizer, checkpoint: str | None) 
         "eos_token_id": tokenizer.eos_token_id,
     }
     return KimiK3Config(**{**token_ids, **overrides}), "--config_overrides"
+
+
+def read_config(folder: str, flag: str, overrides: dict) -> KimiK3Config:
+    """transformers reports an unreadable or missing config.json as an ``OSError``; say it in one line."""
+    try:
+        return KimiK3Config.from_pretrained(folder, **overrides)
+    except OSError as error:
+        raise UsageError(f"{flag} {folder}: {first_line(error)}") from None
 
 
 def refuse_non_finite_base_model(model: KimiK3ForCausalLM, name_or_path: str) -> None:

@@ -181,7 +181,11 @@ def check_resumable(model, checkpoint: str, training_args: TrainingArguments) ->
     saved = Path(checkpoint) / BATCH_FILE
     if not saved.is_file():
         return
-    old, new = json.loads(saved.read_text()), batch_size(training_args)
+    try:
+        old = json.loads(saved.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointFileError(f"{saved} cannot be read: {first_line(error)}") from None
+    new = batch_size(training_args)
     if old["global"] != new["global"]:
         print(
             f"kimi-k3-train: warning: resuming {checkpoint} with global batch {new['global']} "

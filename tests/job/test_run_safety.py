@@ -276,6 +276,8 @@ CORRUPT_FILES = {
     "scheduler.pt": lambda path: path.write_bytes(path.read_bytes()[:20]),
     "rng_state.pth": lambda path: path.write_bytes(b"\x80\x02garbage"),
     "trainer_state.json": lambda path: path.write_text("{truncated"),
+    "batch_size.json": lambda path: path.write_text("{truncated"),
+    "run_settings.json": lambda path: path.write_bytes(b"\xff\xfe"),
 }
 
 
@@ -287,6 +289,16 @@ def test_corrupt_trainer_file_is_refused_in_one_line_naming_it(trained, tmp_path
     message = last_error(capsys)
     assert message.startswith(f"kimi-k3-train: error: {run / 'checkpoint-8' / name} cannot be")
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_unreadable_checkpoint_config_is_refused_in_one_line_naming_it(trained, tmp_path, capsys):
+    run = shutil.copytree(trained[0], tmp_path / "run")
+    (run / "checkpoint-8" / "config.json").write_text("{truncated")
+    assert train.main(tiny_args(run, trained[1], *RESUME)) == 2
+    assert last_error(capsys) == (
+        f"kimi-k3-train: error: --resume_from_checkpoint {run / 'checkpoint-8'}: It looks like the config file at "
+        f"'{run / 'checkpoint-8' / 'config.json'}' is not a valid JSON file."
+    )
 
 
 def test_trainer_state_without_stateful_callbacks_is_refused_naming_the_field(trained, tmp_path, capsys):
