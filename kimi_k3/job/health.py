@@ -53,6 +53,6 @@ def check_finite_metric(metrics: dict[str, float], key: str) -> None:
 
 def divergence_message(what: str) -> str:
     return (
-        f"training diverged: {what}; lower --learning_rate (or raise --warmup_steps) and resume from the last "
-        "checkpoint, or start again"
+        f"training diverged: {what}; start again with a lower --learning_rate (or more --warmup_steps), or train on "
+        "from the last checkpoint's weights with --model_name_or_path CHECKPOINT and a lower rate"
     )

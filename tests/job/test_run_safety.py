@@ -79,7 +79,8 @@ def test_non_finite_weights_are_never_written_to_a_checkpoint(trained, tmp_path,
     assert run_main(tiny_args(run, trained[1]))[0] == 1
     assert last_error(capsys) == (
         "kimi-k3-train: error: training diverged: lm_head.weight holds 1 non-finite value(s); checkpoint-4 was not "
-        "saved; lower --learning_rate (or raise --warmup_steps) and resume from the last checkpoint, or start again"
+        "saved; start again with a lower --learning_rate (or more --warmup_steps), or train on from the last "
+        "checkpoint's weights with --model_name_or_path CHECKPOINT and a lower rate"
     )
     assert not run.exists() or not list(run.glob("checkpoint-*")) and not (run / "model").exists()
 
@@ -325,6 +326,15 @@ def test_resume_with_changed_settings_lists_every_change_in_one_refusal(trained,
     assert "config field routed_scaling_factor 2.0 (the run used" in message
     assert message.endswith(f"start a new run from its weights with --model_name_or_path {run / 'checkpoint-8'}")
     assert sorted(path.name for path in run.iterdir()) == before
+
+
+def test_the_refusals_way_out_starts_a_new_run_from_the_checkpoints_weights(trained, tmp_path):
+    """What the refusal proposes: a new run with the changed settings, from the weights only."""
+    checkpoint = trained[0] / "checkpoint-8"
+    extra = ["--model_name_or_path", str(checkpoint), "--learning_rate", "0.005", "--max_steps", "1"]
+    status, printed = run_main(tiny_args(tmp_path / "run", trained[1], *extra))
+    assert status == 0 and "1 steps" in printed
+    assert json.loads((tmp_path / "run" / "checkpoint-1" / "run_settings.json").read_text())["learning_rate"] == 0.005
 
 
 def test_resume_with_a_changed_data_file_is_refused(trained, tmp_path, capsys):
