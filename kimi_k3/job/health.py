@@ -38,11 +38,14 @@ def total_norm(tensors: list[torch.Tensor]) -> float:
 
 
 def check_finite_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], what: str) -> None:
-    """Refuse to save ``what`` when a weight holds NaN or infinity."""
+    """Refuse to save ``what`` when a weight holds NaN or infinity (on the one process that saves it)."""
     found = first_non_finite(named_tensors)
     if found is not None:
-        name, count = found
-        raise TrainingDiverged(divergence_message(f"{name} holds {count} non-finite value(s); {what} was not saved"))
+        raise TrainingDiverged(non_finite_weight_message(*found, what))
+
+
+def non_finite_weight_message(name: str, count: int | str, what: str) -> str:
+    return divergence_message(f"{name} holds {count} non-finite value(s); {what} was not saved")
 
 
 def check_finite_metric(metrics: dict[str, float], key: str) -> None:

@@ -8,16 +8,17 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from accelerate.utils import broadcast_object_list
+import torch
+from accelerate.utils import broadcast_object_list, reduce
 from transformers import Trainer, TrainingArguments
 from transformers.trainer import OPTIMIZER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from checkpoint_format_kimi_k3 import verify_checkpoint_files
 from kimi_k3.checkpoint import run_folder
-from kimi_k3.checkpoint.finite import check_finite_files
 from kimi_k3.checkpoint.release_format import checkpoint_shard_files
-from kimi_k3.job.health import check_finite_weights
+from kimi_k3.checkpoint.finite import check_finite_files, first_non_finite
+from kimi_k3.job.health import TrainingDiverged, non_finite_weight_message
 from kimi_k3.job.run_settings import RUN_SETTINGS_FILE, encoded
 from kimi_k3.job.resume_manifest import CheckpointFileError, first_line, rng_state_names
 from kimi_k3.parallel.sharding import load_full_state_dict
@@ -61,7 +62,7 @@ class KimiK3Trainer(Trainer):
         """
         run_dir = Path(super()._get_output_dir(trial))
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        check_finite_weights(self.model.named_parameters(), name)
+        self._check_finite_weights(name)
         staging = run_dir / run_folder.staging_name(name, self.staging_tag)
         if self.args.should_save:
             shutil.rmtree(staging, ignore_errors=True)
@@ -80,6 +81,15 @@ class KimiK3Trainer(Trainer):
             self._staging_run_dir = None
             if self.args.should_save:
                 shutil.rmtree(staging, ignore_errors=True)
+
+    def _check_finite_weights(self, checkpoint_name: str) -> None:
+        """Every process stops together: under FSDP each checks its own shard, and one process's NaN stops all."""
+        found = first_non_finite(self.model.named_parameters())
+        flags = reduce(torch.tensor([float(found is not None)], device=self.args.device), reduction="sum")
+        if found is None and float(flags.sum()) > 0:
+            found = ("a weight on another process", "some")
+        if found is not None:
+            raise TrainingDiverged(non_finite_weight_message(*found, checkpoint_name))
 
     def _write_run_settings(self, checkpoint: Path) -> None:
         if self.run_settings is not None:
