@@ -39,6 +39,21 @@ if not transformers_is_supported():
     )
 
 ROUTER_SCORE_FUNCTIONS = ("sigmoid", "softmax")
+ROUTER_SCORE_NORMALIZATIONS = ("none", "quantile")
+# Stable LatentMoE ideas the release does not use (docs/variants.md), each field at the value that leaves it off.
+# config.json omits a field at this value, so a released-style configuration saves exactly as it always did.
+VARIANT_FIELDS_OFF = {
+    "expert_basis_size": None,
+    "router_score_normalization": "none",
+    "router_score_quantile_bins": None,
+    "attention_gate_routing": False,
+    "num_coarse_experts": None,
+    "coarse_experts_per_token": None,
+    "dynamic_experts_per_token": False,
+    "min_experts_per_token": None,
+    "max_experts_per_token": None,
+}
+DEFAULT_SCORE_QUANTILE_BINS = 64
 SUPPORTED_ACTIVATIONS = ("situ", "silu", "gelu", "relu")
 # Training switches that older config.json files carry; they are not properties of the model, so they are dropped.
 RETIRED_TRAINING_SWITCHES = (
@@ -223,6 +238,22 @@ class KimiK3Config(PreTrainedConfig):
     attn_res_block_size: int | None = 4
     num_nextn_predict_layers: int = 0
 
+    # Stable LatentMoE variants, all off in the release (docs/variants.md; `variants_kimi_k3.py`):
+    # shared-basis experts W_e = sum_j C[e, j] B_j over `expert_basis_size` basis matrices;
+    expert_basis_size: int | None = None
+    # top-k over each expert's score quantile u = F_e(s) ("quantile", with `router_score_quantile_bins` knots);
+    router_score_normalization: str = "none"
+    router_score_quantile_bins: int | None = None
+    # MLA output gate sigma(W_g x + U r(x)), r(x) the layer's sparse routing weights of the attention input;
+    attention_gate_routing: bool = False
+    # two-level routing: `coarse_experts_per_token` of `num_coarse_experts` groups, then top-k inside them;
+    num_coarse_experts: int | None = None
+    coarse_experts_per_token: int | None = None
+    # dynamic k: every expert with s + b > 0, clamped to [min, max]_experts_per_token (default [1, 2k]).
+    dynamic_experts_per_token: bool = False
+    min_experts_per_token: int | None = None
+    max_experts_per_token: int | None = None
+
     # Canonical transformers layer descriptions, derived from the released fields.
     layer_types: list[str] | None = None
     mlp_layer_types: list[str] | None = None
@@ -240,8 +271,17 @@ class KimiK3Config(PreTrainedConfig):
             logger.info(f"Ignoring training switches that the training job owns now: {retired}")
         super().__post_init__(**kwargs)
         self.auto_map = dict(AUTO_MAP)
+        self._fill_variant_defaults()
         self._validate()
         self._derive_layer_types()
+
+    def to_dict(self) -> dict:
+        """``PreTrainedConfig.to_dict`` without the variant fields that are off, so the release saves unchanged."""
+        output = super().to_dict()
+        for name, off in VARIANT_FIELDS_OFF.items():
+            if output.get(name, off) == off:
+                output.pop(name, None)
+        return output
 
     def _flatten_release_wrapper(self, text_config: dict, kwargs: dict) -> dict:
         """Take the text part of a released multimodal ``config.json``.
@@ -337,6 +377,18 @@ class KimiK3Config(PreTrainedConfig):
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
+    @property
+    def enabled_variants(self) -> tuple[str, ...]:
+        """The Stable LatentMoE variants this configuration switches on (none for the release)."""
+        switches = {
+            "shared-basis experts (expert_basis_size)": self.expert_basis_size is not None,
+            "quantile-normalized routing (router_score_normalization)": self.router_score_normalization != "none",
+            "routing-modulated attention gates (attention_gate_routing)": self.attention_gate_routing,
+            "two-level routing (num_coarse_experts)": self.num_coarse_experts is not None,
+            "dynamic k (dynamic_experts_per_token)": self.dynamic_experts_per_token,
+        }
+        return tuple(name for name, on in switches.items() if on)
+
     def is_moe_layer(self, layer_idx: int) -> bool:
         return (
             self.num_experts is not None
@@ -391,6 +443,8 @@ class KimiK3Config(PreTrainedConfig):
             self._validate_mla()
         if self.num_experts is not None:
             self._validate_moe()
+        if self.enabled_variants or any(getattr(self, name) != off for name, off in VARIANT_FIELDS_OFF.items()):
+            self._validate_variants()
 
     def _validate_field_types(self) -> None:
         """Each field of this class holds a value of its annotated type: a string such as `"1e-6"` from a hand-edited
@@ -480,6 +534,104 @@ class KimiK3Config(PreTrainedConfig):
                 f"Group-limited routing is not supported: `num_expert_group` and `topk_group` must be 1, "
                 f"got {self.num_expert_group} and {self.topk_group}."
             )
+
+
+    # ------------------------------------------------------------------ variants
+    def _fill_variant_defaults(self) -> None:
+        """The documented defaults of a switched-on variant's own sizes, written out so config.json states them."""
+        if self.router_score_normalization == "quantile" and self.router_score_quantile_bins is None:
+            self.router_score_quantile_bins = DEFAULT_SCORE_QUANTILE_BINS
+        if self.dynamic_experts_per_token is True and isinstance(self.num_experts, int):
+            if self.min_experts_per_token is None:
+                self.min_experts_per_token = 1
+            if self.max_experts_per_token is None and isinstance(self.num_experts_per_token, int):
+                self.max_experts_per_token = min(2 * self.num_experts_per_token, self.num_experts)
+
+    def _validate_variants(self) -> None:
+        if self.num_experts is None:
+            what = self.enabled_variants[0] if self.enabled_variants else "A variant field"
+            raise ValueError(f"{what} needs routed experts: set `num_experts`.")
+        quantile, dynamic = self.router_score_normalization == "quantile", self.dynamic_experts_per_token
+        _require_dependent("router_score_quantile_bins", self.router_score_quantile_bins,
+                           "router_score_normalization='quantile'", quantile)
+        _require_dependent("coarse_experts_per_token", self.coarse_experts_per_token, "num_coarse_experts",
+                           self.num_coarse_experts is not None)
+        for name in ("min_experts_per_token", "max_experts_per_token"):
+            _require_dependent(name, getattr(self, name), "dynamic_experts_per_token=true", dynamic)
+        selection_rules = {
+            "router_score_normalization='quantile'": self.router_score_normalization != "none",
+            "num_coarse_experts": self.num_coarse_experts is not None,
+            "dynamic_experts_per_token": dynamic,
+        }
+        chosen = [name for name, on in selection_rules.items() if on]
+        if len(chosen) > 1:
+            raise ValueError(f"{' and '.join(chosen)} each replace the router's selection rule; enable at most one.")
+        if self.expert_basis_size is not None:
+            self._validate_shared_basis()
+        if self.router_score_normalization not in ROUTER_SCORE_NORMALIZATIONS:
+            raise ValueError(f"`router_score_normalization` must be one of {ROUTER_SCORE_NORMALIZATIONS}, "
+                             f"got {self.router_score_normalization!r}.")
+        bins = self.router_score_quantile_bins
+        if bins is not None and bins < 2:
+            raise ValueError(f"`router_score_quantile_bins` must be an integer >= 2, got {bins}.")
+        if self.attention_gate_routing:
+            self._validate_attention_gate_routing()
+        if self.num_coarse_experts is not None:
+            self._validate_two_level_routing()
+        if dynamic:
+            self._validate_dynamic_experts()
+
+    def _validate_shared_basis(self) -> None:
+        _require_positive_int("expert_basis_size", self.expert_basis_size)
+        if self.expert_basis_size > self.num_experts:
+            raise ValueError(f"`expert_basis_size` ({self.expert_basis_size}) must be <= `num_experts` "
+                             f"({self.num_experts}): a larger basis holds more weights than independent experts.")
+
+    def _validate_attention_gate_routing(self) -> None:
+        if not self.mla_use_output_gate:
+            raise ValueError("`attention_gate_routing` modulates MLA's output gate: it needs "
+                             "`mla_use_output_gate=true`.")
+        routed_mla = [i for i in self.mla_layer_indices if self.is_moe_layer(i)]
+        if not routed_mla:
+            raise ValueError("`attention_gate_routing` reads the routing of an MLA layer's own router, but no MLA "
+                             "layer (`linear_attn_config.full_attn_layers`) is an MoE layer.")
+
+    def _validate_two_level_routing(self) -> None:
+        groups, chosen, k = self.num_coarse_experts, self.coarse_experts_per_token, self.num_experts_per_token
+        _require_positive_int("num_coarse_experts", groups)
+        if chosen is None:
+            raise ValueError("`coarse_experts_per_token` is required with `num_coarse_experts`: how many of the coarse "
+                             f"experts each token picks, in [1, {groups}].")
+        _require_positive_int("coarse_experts_per_token", chosen)
+        if self.num_experts % groups:
+            raise ValueError(f"`num_coarse_experts` ({groups}) must divide `num_experts` ({self.num_experts}): each "
+                             "coarse expert owns num_experts / num_coarse_experts fine experts.")
+        if chosen > groups:
+            raise ValueError(f"`coarse_experts_per_token` ({chosen}) must be <= `num_coarse_experts` ({groups}).")
+        reachable = chosen * (self.num_experts // groups)
+        if k >= reachable:
+            raise ValueError(f"`num_experts_per_token` ({k}) must be < coarse_experts_per_token x num_experts / "
+                             f"num_coarse_experts = {reachable}, the experts a token can reach (at {reachable} the "
+                             "fine router would have nothing to choose).")
+        if not self.moe_renormalize or k < 2:
+            raise ValueError("Two-level routing renormalizes the product of coarse and fine scores over the chosen "
+                             f"experts: it needs `moe_renormalize=true` and `num_experts_per_token` >= 2, got "
+                             f"{self.moe_renormalize} and {k}.")
+
+    def _validate_dynamic_experts(self) -> None:
+        low, high, k = self.min_experts_per_token, self.max_experts_per_token, self.num_experts_per_token
+        _require_positive_int("min_experts_per_token", low)
+        _require_positive_int("max_experts_per_token", high)
+        if not low <= k <= high <= self.num_experts:
+            raise ValueError(f"Dynamic k needs 1 <= `min_experts_per_token` <= `num_experts_per_token` <= "
+                             f"`max_experts_per_token` <= `num_experts`, got {low} <= {k} <= {high} <= "
+                             f"{self.num_experts}.")
+
+
+def _require_dependent(name: str, value, switch: str, switched_on: bool) -> None:
+    """A variant's own size is meaningless without its switch: refuse it rather than ignore it."""
+    if value is not None and not switched_on:
+        raise ValueError(f"`{name}` is set ({value!r}) but only applies with {switch}.")
 
 
 def _handled_by_pretrained_config(key: str) -> bool:

@@ -9,11 +9,12 @@ References: the Kimi K3 technical report (arXiv:2607.24653; "K3 report" below), 
 flash-linear-attention's ``fla/ops/kda`` for Kimi Delta Attention, DeepSeek-V2 (arXiv:2405.04434) for MLA, Gated
 Attention (arXiv:2505.06708), Attention Residuals (arXiv:2603.15031), and transformers' ``modeling_kimi_linear.py``.
 
-The file imports only torch, transformers and its sibling files (configuration, checkpoint formats), so it can be
-copied into a checkpoint folder and loaded with ``trust_remote_code=True``. Training code attaches from outside, at
-two seams: every SiTU-GLU runs through a ``KimiK3GLUActivation`` (fused kernels replace its forward), and each MLA
-layer shows its queries and keys to its ``query_key_observer`` (QK-Clip records there). Design notes for
-contributors are in the repository's ``docs/design.md``.
+The file imports only torch, transformers and its sibling files (configuration, checkpoint formats, and, for the
+opt-in Stable LatentMoE variants only, ``variants_kimi_k3.py``), so it can be copied into a checkpoint folder and
+loaded with ``trust_remote_code=True``. Training code attaches from outside, at two seams: every SiTU-GLU runs through
+a ``KimiK3GLUActivation`` (fused kernels replace its forward), and each MLA layer shows its queries and keys to its
+``query_key_observer`` (QK-Clip records there). Design notes for contributors are in the repository's
+``docs/design.md``.
 """
 
 import math
@@ -901,6 +902,8 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
             self.self_attention_res_norm = KimiK3RMSNorm(hidden_size, eps=eps)
             self.mlp_res_proj = KimiK3PseudoQuery(hidden_size)
             self.mlp_res_norm = KimiK3RMSNorm(hidden_size, eps=eps)
+        if config.enabled_variants:
+            build_variants(self, config)
 
     def feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         hidden_states = self.post_attention_layernorm(hidden_states)
@@ -943,6 +946,21 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         return block_sum + self.feed_forward(ffn_input), snapshot
 
 
+def variants_module():
+    """``variants_kimi_k3.py``, the opt-in Stable LatentMoE variants, imported only for a config that enables one:
+    beside this file as remote code, or installed."""
+    try:
+        from . import variants_kimi_k3
+    except ImportError:
+        import variants_kimi_k3
+    return variants_kimi_k3
+
+
+def build_variants(layer: KimiK3DecoderLayer, config: KimiK3Config) -> None:
+    """Swap the opt-in Stable LatentMoE variants into ``layer``; the release uses none."""
+    variants_module().build_layer_variants(layer, config)
+
+
 class KimiK3PreTrainedModel(PreTrainedModel):
     config: KimiK3Config
     config_class = KimiK3Config
@@ -964,6 +982,11 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         "hidden_states": OutputRecorder(KimiK3DecoderLayer, index=0),
         "attentions": OutputRecorder(KimiK3MLAAttention, index=1),
     }
+
+    def post_init(self):
+        super().post_init()
+        if self.config.enabled_variants:  # a variant's own fp32 tensors, kept so for this model only
+            self._keep_in_fp32_modules_strict.update(variants_module().strict_float32_tensors(self.config))
 
     @classmethod
     def from_pretrained(cls, *args, strict: bool = True, **kwargs):
@@ -1011,6 +1034,8 @@ class KimiK3PreTrainedModel(PreTrainedModel):
             init.zeros_(module.mlp_res_proj.weight)
         elif isinstance(module, KimiK3Model) and module.output_attn_res_proj is not None:
             init.zeros_(module.output_attn_res_proj.weight)
+        if hasattr(module, "init_variant_weights"):  # the opt-in variants' own tensors (variants_kimi_k3.py)
+            module.init_variant_weights(std)
 
 
 class KimiK3Model(KimiK3PreTrainedModel):

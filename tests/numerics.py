@@ -60,6 +60,26 @@ def assert_as_accurate(actual: torch.Tensor, trusted: torch.Tensor, exact: torch
     )
 
 
+def assert_within_rounding_spread(actual: torch.Tensor, reference: torch.Tensor, perturbed: torch.Tensor,
+                                  what: str = "", factor: float = ROUNDING_FACTOR) -> None:
+    """``actual`` (the computation in another summation order) is within ``factor`` times the distance of
+    ``perturbed`` (the computation from inputs perturbed by one rounding, `perturb_parameters`) from ``reference``,
+    plus a few ulps of its scale.
+
+    For results that float64 cannot reproduce cheaply (several training steps, whose later losses a rounding-level
+    difference moves by what bf16 Newton–Schulz and the routing decisions make of it): the perturbed run measures, in
+    the same run on the same CPU, how far rounding-level noise carries through this computation.
+    """
+    actual, reference, perturbed = (torch.as_tensor(t, dtype=torch.float64) for t in (actual, reference, perturbed))
+    distance = (actual - reference).abs().max().item()
+    spread = (perturbed - reference).abs().max().item()
+    bound = factor * spread + ULPS * FP32_EPS * reference.abs().max().item()
+    assert distance <= bound, (
+        f"{what}: {distance:.3g} from the reference, more than {factor:g}x the distance a one-rounding perturbation "
+        f"of the inputs moves it ({spread:.3g}) plus {ULPS} ulps ({bound:.3g})"
+    )
+
+
 def float64_copy(model: nn.Module) -> nn.Module:
     """A float64 copy of a model, on the experts' reference loop (transformers' grouped_mm kernels have no fp64 path)."""
     exact = copy.deepcopy(model).double()

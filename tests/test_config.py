@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from configuration_kimi_k3 import KimiK3Config
+from configuration_kimi_k3 import VARIANT_FIELDS_OFF, KimiK3Config
 from tests.conftest import tiny_config
 
 
@@ -159,3 +159,53 @@ def test_old_config_json_with_a_retired_training_switch_loads_and_drops_it(tmp_p
     assert not hasattr(loaded, switch)
     loaded.save_pretrained(tmp_path / "again")
     assert switch not in json.loads((tmp_path / "again" / "config.json").read_text())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The opt-in Stable LatentMoE variants
+# ---------------------------------------------------------------------------------------------------------------------
+def test_variant_fields_are_absent_from_config_json_when_off_and_round_trip_when_on(tmp_path):
+    assert not any(key in KimiK3Config().to_dict() for key in VARIANT_FIELDS_OFF)
+    config = tiny_config(router_score_normalization="quantile", expert_basis_size=2, attention_gate_routing=True)
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert {key: saved[key] for key in saved if key in VARIANT_FIELDS_OFF} == {
+        "router_score_normalization": "quantile", "router_score_quantile_bins": 64,  # the default, written out
+        "expert_basis_size": 2, "attention_gate_routing": True,
+    }
+    assert KimiK3Config.from_pretrained(tmp_path).to_dict() == config.to_dict()
+    dynamic = tiny_config(dynamic_experts_per_token=True)
+    assert (dynamic.min_experts_per_token, dynamic.max_experts_per_token) == (1, 4)  # [1, 2k]
+    assert tiny_config().enabled_variants == () and len(config.enabled_variants) == 3
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"expert_basis_size": 9}, r"`expert_basis_size` \(9\) must be <= `num_experts` \(8\)"),
+        ({"expert_basis_size": 0}, r"`expert_basis_size` must be a positive integer, got 0"),
+        ({"router_score_normalization": "rank"}, r"`router_score_normalization` must be one of \('none', 'quantile'\)"),
+        ({"router_score_quantile_bins": 32}, r"`router_score_quantile_bins` is set \(32\) but only applies with "
+                                             r"router_score_normalization='quantile'"),
+        ({"router_score_normalization": "quantile", "router_score_quantile_bins": 1}, r"must be an integer >= 2"),
+        ({"attention_gate_routing": True, "mla_use_output_gate": False}, r"needs `mla_use_output_gate=true`"),
+        ({"attention_gate_routing": True, "first_k_dense_replace": 9}, r"no MLA layer .* is an MoE layer"),
+        ({"num_coarse_experts": 3, "coarse_experts_per_token": 1}, r"`num_coarse_experts` \(3\) must divide"),
+        ({"num_coarse_experts": 4}, r"`coarse_experts_per_token` is required with `num_coarse_experts`"),
+        ({"num_coarse_experts": 4, "coarse_experts_per_token": 5}, r"must be <= `num_coarse_experts` \(4\)"),
+        ({"num_coarse_experts": 4, "coarse_experts_per_token": 1}, r"`num_experts_per_token` \(2\) must be < .* = 2"),
+        ({"num_coarse_experts": 2, "coarse_experts_per_token": 1, "moe_renormalize": False}, r"moe_renormalize=true"),
+        ({"coarse_experts_per_token": 2}, r"`coarse_experts_per_token` is set \(2\) but only applies with"),
+        ({"dynamic_experts_per_token": True, "max_experts_per_token": 9}, r"got 1 <= 2 <= 9 <= 8"),
+        ({"dynamic_experts_per_token": True, "min_experts_per_token": 3}, r"got 3 <= 2 <= 4 <= 8"),
+        ({"min_experts_per_token": 1}, r"`min_experts_per_token` is set \(1\) but only applies with"),
+        ({"dynamic_experts_per_token": True, "num_coarse_experts": 2, "coarse_experts_per_token": 1},
+         r"^num_coarse_experts and dynamic_experts_per_token each replace the router's selection rule; enable at most one"),
+        ({"expert_basis_size": 2, "num_experts": None}, r"shared-basis experts \(expert_basis_size\) needs routed experts"),
+        ({"dynamic_experts_per_token": "yes"}, r"`dynamic_experts_per_token` must be true or false, got 'yes'"),
+    ],
+)
+def test_impossible_variant_settings_are_refused_in_one_line_naming_the_field(fields, message):
+    with pytest.raises(ValueError, match=message) as error:
+        tiny_config(**fields)
+    assert "\n" not in str(error.value)

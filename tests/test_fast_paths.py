@@ -113,7 +113,7 @@ def test_training_step_never_waits_for_the_device_in_model_code():
 def test_the_sync_recorder_catches_boolean_mask_indexing(monkeypatch):
     """The recorder is not blind: the boolean-mask filtering that `masked_counts` replaced is reported."""
 
-    def add_with_boolean_mask(self, router, logits, weights, routes):
+    def add_with_boolean_mask(self, router, tokens, logits, weights, routes):
         token_mask = self.padding.rows(routes.shape[0])
         self.tokens_per_expert += torch.bincount(routes[token_mask].reshape(-1), minlength=router.num_experts)
 

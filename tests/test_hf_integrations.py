@@ -8,7 +8,8 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import StaticCache
 
 from kimi_k3.optim.muon import PerHeadMuon
-from kimi_k3.policies.quantile_balancing import QuantileBalancing, QuantileBalancingCallback, find_routers
+from kimi_k3.attachments.seams import find_routers
+from kimi_k3.policies.quantile_balancing import QuantileBalancing, QuantileBalancingCallback
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from tests.conftest import tiny_config
 from tests.numerics import assert_as_accurate, float64_copy

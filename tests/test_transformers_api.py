@@ -115,6 +115,16 @@ BORROWED_API = [
         and module_has("transformers.integrations", "use_experts_implementation")()
         and module_has("transformers.initialization", "copy_", "normal_", "zeros_")(),
     ),
+    # The opt-in variants (variants_kimi_k3.py) and the folders that ship them.
+    BorrowedApi("use_experts_implementation keeps the undecorated forward as `__wrapped__` (functools.wraps)",
+                "shared-basis experts run the released per-expert loop as their eager reference",
+                lambda: hasattr(modeling_kimi_k3.KimiK3Experts.forward, "__wrapped__")),
+    BorrowedApi("from_pretrained sets `config.distributed_config` before building the model",
+                "a variant refuses tensor and expert parallelism while the model is built, before any weight is read",
+                lambda: "config.distributed_config = distributed_config" in TRANSFORMERS_SOURCE),
+    BorrowedApi("transformers.dynamic_module_utils.get_relative_imports",
+                "a pushed folder must hold every file the model file imports, which trust_remote_code fetches too",
+                module_has("transformers.dynamic_module_utils", "get_relative_imports")),
     # torch's state-dict hook: the released per-expert keys load into the fused expert tensors under plain
     # load_state_dict (Trainer resume), which has no public per-module hook with the same reach.
     BorrowedApi("torch.nn.Module._load_from_state_dict", "experts accept released per-expert keys",

@@ -15,6 +15,7 @@ from torch import nn
 
 SITU_ACTIVATION = "KimiK3GLUActivation"
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+NESTED_ROUTER = "coarse_gate"
 
 
 def decoder_stack(model: nn.Module) -> nn.Module:
@@ -36,11 +37,27 @@ def find_routers(model: nn.Module) -> dict[str, nn.Module]:
 
     Under a PEFT ``modules_to_save`` wrapper the trained copy, which comes after the original, is the one kept.
     """
-    return {
-        layer_key(name): module
-        for name, module in model.named_modules()
-        if hasattr(module, "e_score_correction_bias") and hasattr(module, "top_k")
+    return routers_by_level(model)[0]
+
+
+def routers_by_level(model: nn.Module) -> tuple[dict[str, nn.Module], dict[str, nn.Module]]:
+    """(`find_routers`, the routers nested in them): a router's ``coarse_gate`` (two-level routing's coarse level,
+    ``variants_kimi_k3.py``) is a router too, keyed by its outer router's key, e.g. ``layer_1.coarse_gate``."""
+    routers = [(name, module) for name, module in model.named_modules() if _is_router(module)]
+    nested = {
+        id(getattr(module, NESTED_ROUTER)) for _, module in routers if _is_router(getattr(module, NESTED_ROUTER, None))
     }
+    outer = {layer_key(name): module for name, module in routers if id(module) not in nested}
+    inner = {
+        f"{key}.{NESTED_ROUTER}": getattr(module, NESTED_ROUTER)
+        for key, module in outer.items()
+        if _is_router(getattr(module, NESTED_ROUTER, None))
+    }
+    return outer, inner
+
+
+def _is_router(module) -> bool:
+    return hasattr(module, "e_score_correction_bias") and hasattr(module, "top_k")
 
 
 def find_mla_layers(model: nn.Module) -> dict[str, nn.Module]:

@@ -10,6 +10,7 @@ from the input headers, then stream: input tensors are read one at a time with o
 and each output shard is written as soon as it is complete, so peak memory stays near one output shard.
 """
 
+import copy
 import json
 import math
 import shutil
@@ -28,6 +29,7 @@ from tqdm.auto import tqdm
 from transformers.dynamic_module_utils import custom_object_save
 
 from checkpoint_format_kimi_k3 import (
+    EXPERT_LAYOUT,
     ROUTED_EXPERT_WEIGHT,
     CheckpointEntry,
     checkpoint_shapes,
@@ -41,10 +43,11 @@ from checkpoint_format_kimi_k3 import (
 )
 from configuration_kimi_k3 import KimiK3Config
 from modeling_kimi_k3 import KimiK3ForCausalLM
+from variants_kimi_k3 import BASIS_OF_EXPERT_TENSOR, materialise_experts
 
 from kimi_k3.checkpoint import run_folder
 
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "export_released", "import_released"]
+__all__ = ["DEFAULT_MAX_SHARD_BYTES", "check_exportable", "export_released", "import_released"]
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -65,22 +68,30 @@ _SAFETENSORS_DTYPES = {
 def export_released(
     source: str | Path, target: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = True
 ) -> list[str]:
-    """Our ``save_pretrained`` folder -> the released layout; returns the written shard file names."""
+    """Our ``save_pretrained`` folder -> the released layout; returns the written shard file names.
+
+    Shared-basis experts are written as the released per-expert matrices they materialise, W_e = sum_j C[e, j] B_j;
+    the other variants are refused (`check_exportable`).
+    """
     source = Path(source)
     config = KimiK3Config.from_pretrained(source)
+    check_exportable(config)
     entries, read = _open_checkpoint(source)
     if is_released_layout(entries):
         raise ValueError(f"{source} is already in the released layout (`language_model.` / `weight_packed` tensors).")
     expected = _checkpoint_shapes(config)
     sources = match_checkpoint_tensors(entries, expected, read)
-    steps = [
-        _export_step(name, stored, expected[name], entries, read, config)
-        for name, stored in _in_shard_order(sources, entries)
-    ]
+    released = _materialised_config(config)
+    steps, last_bank = [], {}
+    for name, stored in _in_shard_order(sources, entries):
+        if name.rpartition(".")[2] in BASIS_OF_EXPERT_TENSOR:
+            steps += _materialised_expert_steps(name, sources, expected, read, released, last_bank)
+        elif not name.endswith("_coefficients"):
+            steps.append(_export_step(name, stored, expected[name], entries, read, released))
 
     def write(folder: Path) -> list[str]:
         shards = _write_checkpoint(steps, folder, max_shard_bytes, progress, desc="to released layout")
-        (folder / "config.json").write_text(json.dumps(released_config_dict(config), indent=2, sort_keys=True) + "\n")
+        (folder / "config.json").write_text(json.dumps(released_config_dict(released), indent=2, sort_keys=True) + "\n")
         return shards
 
     return _publish(source, target, write)
@@ -178,6 +189,58 @@ def _export_step(name, stored, shape, entries, read, config) -> _Step:
         return {key: tensor if released_shape == shape else F.pad(tensor, (0, released_shape[0] - shape[0]))}
 
     return _Step({key: (released_shape, dtype)}, make)
+
+
+def check_exportable(config: KimiK3Config, purpose: str = "export_released") -> None:
+    """The released layout holds the released architecture: shared-basis experts materialise into it; the other
+    variants have weights or a routing rule it cannot represent (the release's code would compute another model)."""
+    refused = [variant for variant in config.enabled_variants if "expert_basis_size" not in variant]
+    if refused:
+        raise ValueError(
+            f"{purpose}: the released layout cannot represent {refused[0]}; keep this project's layout "
+            "(save_pretrained), which loads with trust_remote_code."
+        )
+
+
+def _materialised_config(config: KimiK3Config) -> KimiK3Config:
+    """The released-architecture configuration of a shared-basis model (independent experts)."""
+    released = copy.deepcopy(config)
+    released.expert_basis_size = None
+    return released
+
+
+def _materialised_expert_steps(basis_name, sources, expected, read, config, last_bank: dict) -> list[_Step]:
+    """One step per expert and released matrix of a shared-basis bank: W_e = sum_j C[e, j] B_j, then MXFP4.
+
+    ``last_bank`` keeps the bank read last: its experts are written one after another, so each bank is read once and
+    only one is held at a time."""
+    stem, _, bank = basis_name.rpartition(".")
+    fused = BASIS_OF_EXPERT_TENSOR[bank]
+    coefficients_name = f"{stem}.{bank.removesuffix('_basis')}_coefficients"
+    basis_shape, (num_experts, _) = expected[basis_name], expected[coefficients_name]
+    rows = basis_shape[1] // len(EXPERT_LAYOUT[fused])
+
+    def bank_tensors() -> tuple[torch.Tensor, torch.Tensor]:
+        if last_bank.get("name") != basis_name:
+            last_bank.clear()
+            last_bank.update(name=basis_name, tensors=(
+                _model_tensor(read, sources[coefficients_name], expected[coefficients_name]),
+                _model_tensor(read, sources[basis_name], basis_shape),
+            ))  # fmt: skip
+        return last_bank["tensors"]
+
+    def step(expert: int, index: int, part: str) -> _Step:
+        name = f"{stem}.{expert}.{part}.weight"
+        planned = released_tensor_shapes(name, (rows, basis_shape[2]), config)
+
+        def make() -> dict[str, torch.Tensor]:
+            coefficients, basis = bank_tensors()
+            weight = materialise_experts(coefficients[expert : expert + 1], basis)[0, index * rows : (index + 1) * rows]
+            return dict(zip(planned, quantize_mxfp4(weight, name=name)))
+
+        return _Step({key: (shape, torch.uint8) for key, shape in planned.items()}, make)
+
+    return [step(e, i, part) for e in range(num_experts) for i, part in enumerate(EXPERT_LAYOUT[fused])]
 
 
 def _import_step(name, stored, shape, entries, read, dense_dtype) -> _Step:

@@ -13,8 +13,9 @@ import torch
 from transformers import HfArgumentParser, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
-from configuration_kimi_k3 import KimiK3Config
+from configuration_kimi_k3 import VARIANT_FIELDS_OFF, KimiK3Config
 from kimi_k3.optim.precision import PRECISION_CHOICES
+from kimi_k3.policies.expert_merging import check_merging_arguments
 from kimi_k3.policies.qk_clip import check_tau
 from kimi_k3.publishing import hub
 from kimi_k3.publishing.model_card import card_metadata, hub_repo_id, is_repo_id
@@ -123,6 +124,19 @@ class ModelArguments:
         default=False,
         metadata={"help": "Resume a checkpoint that lacks optimizer.pt, scheduler.pt or its RNG state, starting them "
                           "afresh (with a warning); without it such a checkpoint is refused."},
+    )
+    expert_merging_every_n_steps: int = field(
+        default=0,
+        metadata={"help": "Every N optimizer steps, merge each MoE layer's most similar pair of routed experts and "
+                          "re-initialise the freed slot as a split of the most loaded expert (0: never)."},
+    )
+    expert_merging_threshold: float = field(
+        default=0.9,
+        metadata={"help": "With --expert_merging_every_n_steps: the cosine similarity of two experts' weights at which "
+                          "they merge, in [-1, 1]."},
+    )
+    expert_merging_max_per_layer: int = field(
+        default=1, metadata={"help": "With --expert_merging_every_n_steps: at most this many merges per layer and round."}
     )
 
 
@@ -345,13 +359,23 @@ def config_overrides(text: str | None) -> dict:
         raise UsageError(f"--config_overrides is not valid JSON ({error}): {text!r}") from None
     if not isinstance(overrides, dict):
         raise UsageError(f"--config_overrides must be a JSON object, got {text!r}")
-    known = set(KimiK3Config().to_dict()) | set(KimiK3Config.attribute_map)
+    known = set(KimiK3Config().to_dict()) | set(KimiK3Config.attribute_map) | set(VARIANT_FIELDS_OFF)
     for name in overrides:
         if name not in known:
             close = difflib.get_close_matches(name, sorted(known), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise UsageError(f"--config_overrides: KimiK3Config has no field {name!r}{hint}")
     return overrides
+
+
+def check_expert_merging(model_args: ModelArguments) -> None:
+    every_n_steps = model_args.expert_merging_every_n_steps
+    if every_n_steps < 0:
+        raise UsageError(f"--expert_merging_every_n_steps must be >= 0 (0: never), got {every_n_steps}")
+    if every_n_steps:
+        flags = ("--expert_merging_every_n_steps", "--expert_merging_threshold", "--expert_merging_max_per_layer")
+        check_merging_arguments(every_n_steps, model_args.expert_merging_threshold,
+                                model_args.expert_merging_max_per_layer, names=flags)
 
 
 def check_block_size(block_size: int, config: KimiK3Config) -> None:

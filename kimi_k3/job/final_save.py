@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 from transformers import Trainer
 
+from kimi_k3.attachments.padding import masked_counts
 from kimi_k3.attachments.seams import find_routers
 from kimi_k3.checkpoint import run_folder
 from kimi_k3.checkpoint.release_format import checkpoint_shard_files, export_released
@@ -35,8 +36,8 @@ def measure_expert_load(model, blocks: datasets.Dataset, batch_size: int) -> dic
     loads = {name: torch.zeros(router.num_experts, dtype=torch.long) for name, router in routers.items()}
 
     def count_routes(name):
-        def hook(router, inputs, outputs):
-            loads[name] += torch.bincount(outputs[2].flatten().cpu(), minlength=router.num_experts)
+        def hook(router, inputs, outputs):  # masked_counts drops the unused slots (index n) of dynamic k
+            loads[name] += masked_counts(outputs[2].cpu(), None, router.num_experts)
 
         return hook
 

@@ -19,6 +19,7 @@ from configuration_kimi_k3 import KimiK3Config
 from kimi_k3.attachments.seams import find_routed_experts, find_routers
 from kimi_k3.checkpoint import run_folder
 from kimi_k3.checkpoint.finite import first_non_finite
+from kimi_k3.checkpoint.release_format import check_exportable
 from kimi_k3.job import expert_load
 from kimi_k3.job.arguments import (
     ModelArguments,
@@ -26,6 +27,7 @@ from kimi_k3.job.arguments import (
     card_settings,
     check_batch_sizes,
     check_block_size,
+    check_expert_merging,
     check_data_limits,
     check_learning_rate,
     check_local_sources,
@@ -57,6 +59,7 @@ from kimi_k3.job.trainer import KimiK3Trainer, SaveError, check_resumable, finis
 from kimi_k3.kernels.fused_situ import use_fused_situ
 from kimi_k3.optim.muon import PerHeadMuonFactory
 from kimi_k3.optim.precision import warn_if_bf16_is_emulated
+from kimi_k3.policies.expert_merging import ExpertMergingCallback
 from kimi_k3.policies.qk_clip import QKClipCallback
 from kimi_k3.policies.quantile_balancing import QuantileBalancingCallback
 from kimi_k3.publishing import hub
@@ -80,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             check_batch_sizes(training_args)
             check_learning_rate(training_args)
             check_local_sources(model_args)
+            check_expert_merging(model_args)
             check_data_limits(data_args, training_args)
             check_world_size(training_args)
             warn_if_bf16_is_emulated(training_args.bf16, training_args.device)
@@ -274,6 +278,7 @@ def attach_expert_qat(model_args: ModelArguments, model: KimiK3ForCausalLM) -> N
     """Fake-quantize the routed experts in every forward when --qat is given (`attach_qat`); checked before training,
     as is a released final layout, which needs MXFP4-groupable expert widths."""
     if model_args.final_layout == "released":
+        check_exportable(model.config, "--final_layout released")
         check_mxfp4_widths(find_routed_experts(model), "--final_layout released")
     if model_args.qat is None:
         if model_args.qat_activations != "none":
@@ -297,6 +302,13 @@ def optimizer_and_callbacks(model_args: ModelArguments, training_args: TrainingA
         update_rule = "quantile" if model_args.quantile_balancing else "none"
         balancing = QuantileBalancingCallback(model, update_rule=update_rule, per_layer_metrics=False)
         callbacks += [balancing, ExpertLoadRecorder(balancing.policy)]
+        if model_args.expert_merging_every_n_steps:
+            callbacks.append(ExpertMergingCallback(
+                balancing.policy, model_args.expert_merging_every_n_steps, model_args.expert_merging_threshold,
+                model_args.expert_merging_max_per_layer, seed=training_args.seed,
+            ))  # fmt: skip
+    elif model_args.expert_merging_every_n_steps:
+        raise UsageError("--expert_merging_every_n_steps merges routed experts, and the model has none (num_experts)")
     return optimizer_cls_and_kwargs, callbacks
 
 

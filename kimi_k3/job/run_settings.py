@@ -23,7 +23,10 @@ TRAINING_SETTINGS = (
     "learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "weight_decay",
     "adam_beta1", "adam_beta2", "adam_epsilon", "optim", "max_grad_norm", "seed", "data_seed",
 )  # fmt: skip
-MODEL_SETTINGS = ("optimizer", "muon_ns_dtype", "quantile_balancing", "qk_clip_tau", "qat", "qat_activations")
+MODEL_SETTINGS = (
+    "optimizer", "muon_ns_dtype", "quantile_balancing", "qk_clip_tau", "qat", "qat_activations",
+    "expert_merging_every_n_steps", "expert_merging_threshold", "expert_merging_max_per_layer",
+)  # fmt: skip
 DATA_SETTINGS = (
     "dataset_name", "dataset_config_name", "text_column", "validation_split_percentage", "block_size", "packing",
     "streaming",

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.adamw import adamw
 
 from checkpoint_format_kimi_k3 import EXPERT_LAYOUT, expert_block_rows
+from variants_kimi_k3 import BASIS_OF_EXPERT_TENSOR
 from kimi_k3.optim.precision import matmul_dtype
 from kimi_k3.parallel.shard_layout import LayoutError, check_local_shard
 from kimi_k3.optim.newton_schulz_exchange import CutBlockExchange, assemble_sharded, orthogonalize_replicated
@@ -445,7 +446,8 @@ def build_param_groups(model, weight_decay=0.1, adamw_lr=None, split_kv=True):
 
     Each group lists its parameters' names under ``param_names`` (torch's named param groups). Muon: every trainable
     2-D weight (KDA q/k/v in ``linear_attn_config["head_dim"]`` row blocks; MLA q_b_proj in
-    nope+rope blocks; kv_b_proj in (nope, v) or nope+v blocks; the rest whole), and the stacked experts per expert.
+    nope+rope blocks; kv_b_proj in (nope, v) or nope+v blocks; the rest whole), and the stacked experts per expert
+    (shared-basis experts: each basis matrix, split like an expert; their coefficients go to AdamW).
     AdamW: embeddings, lm_head, conv kernels and the [1, hidden] AttnRes pseudo-queries (with decay), and 1-D tensors
     (without decay). Buffers such as the router's ``e_score_correction_bias`` are in no group.
     """
@@ -494,6 +496,9 @@ def _group_tag(name, p, config, head_rows):
         if rows is not None:
             return (("use_muon", True), ("head_rows", rows)), layer_type
     module, weight = name.rsplit(".", 2)[-2:]
+    if module == "experts" and weight.endswith("_coefficients"):
+        return (("use_muon", False),), None  # shared-basis mixing weights, not a map of activations
+    weight = BASIS_OF_EXPERT_TENSOR.get(weight, weight)  # a basis matrix has the row blocks of the expert it builds
     if p.ndim == 3 and module == "experts" and weight in EXPERT_LAYOUT:
         return (("use_muon", True), ("expert_rows", expert_block_rows(weight, tuple(p.shape)))), None
     return (("use_muon", p.ndim == 2),), None

@@ -1,8 +1,8 @@
 """Per-rank memory and per-step communication of a Kimi K3 training layout, and whether it fits.
 
-    python scripts/plan_parallel.py --world-size 64 --ep 8 --verify     # the released 2.78T model, 64 GPUs
-    python scripts/plan_parallel.py --search --optimizer adamw --lora-rank 16
-    python scripts/plan_parallel.py --config small --world-size 2 --seq-len 16
+    kimi-k3-plan --world_size 64 --ep 8 --verify     # the released 2.78T model, 64 GPUs
+    kimi-k3-plan --search --optimizer adamw --lora_rank 16
+    kimi-k3-plan --config small --world_size 2 --block_size 16
 
 Exact counts (parameters, gradients, optimizer state, buffers) come from kimi_k3.planning.plan; ``--verify`` checks
 them against the project's real sharding of the model on the meta device under torch's fake process group.
@@ -14,10 +14,11 @@ import sys
 from pathlib import Path
 
 from configuration_kimi_k3 import KimiK3Config
+from kimi_k3.command_line import command_arguments, respelled
+from kimi_k3.job.arguments import parse_qk_clip_tau
 from kimi_k3.planning.plan import (
     DTYPE_BYTES,
     GB,
-    OPTIMIZERS,
     Layout,
     PlanError,
     Setup,
@@ -28,41 +29,82 @@ from kimi_k3.planning.plan import (
 OPTIMIZER_NAMES = {"muon": "Per-Head Muon", "adamw": "AdamW"}
 
 
+PROG = "kimi-k3-plan"
+# The training job's spellings (`kimi-k3-train`, TrainingArguments); the old ones keep working for one release.
+RENAMED_OPTIONS = {
+    "--world-size": "--world_size", "--max-world-size": "--max_world_size", "--gpus-per-node": "--gpus_per_node",
+    "--gpu-memory-gb": "--gpu_memory_gb", "--reserved-gb": "--reserved_gb",
+    "--micro-batch": "--per_device_train_batch_size", "--seq-len": "--block_size",
+    "--grad-accum": "--gradient_accumulation_steps", "--no-gradient-checkpointing": "--gradient_checkpointing=false",
+    "--param-dtype": "--param_dtype", "--compute-dtype": "--compute_dtype", "--grad-dtype": "--grad_dtype",
+    "--optimizer-dtype": "--optimizer_dtype", "--ns-dtype": "--muon_ns_dtype", "--lora-rank": "--lora_rank",
+    "--no-qk-clip": "--qk_clip_tau=none",
+}  # fmt: skip
+# The job's names for the planner's choices.
+OPTIMIZER_SPELLINGS = {"per_head_muon": "muon", "muon": "muon", "adamw": "adamw"}
+NS_DTYPE_SPELLINGS = {"bfloat16": "bf16", "bf16": "bf16", "float32": "fp32", "fp32": "fp32"}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="k3", help="'k3' (released preset), 'small' (the default config) or a "
                                                        "config.json path / model folder")
     layout = parser.add_argument_group("layout")
-    layout.add_argument("--world-size", type=int, help="number of ranks (GPUs)")
+    layout.add_argument("--world_size", type=int, help="number of ranks (GPUs)")
     layout.add_argument("--fsdp", type=int, help="FSDP2 size (default: world size / tp)")
     layout.add_argument("--ep", type=int, default=1, help="expert-parallel size (divides fsdp and the experts)")
     layout.add_argument("--tp", type=int, default=1, help="tensor-parallel size (only 1 is supported)")
     layout.add_argument("--search", action="store_true", help="find the smallest world size with a layout that fits")
-    layout.add_argument("--max-world-size", type=int, default=4096)
-    layout.add_argument("--gpus-per-node", type=int, default=8, help="search step")
-    run = parser.add_argument_group("training")
-    run.add_argument("--gpu-memory-gb", type=float, default=141.0)
-    run.add_argument("--reserved-gb", type=float, default=4.0, help="per GPU: CUDA context, allocator slack")
-    run.add_argument("--micro-batch", type=int, default=1)
-    run.add_argument("--seq-len", type=int, default=4096)
-    run.add_argument("--grad-accum", type=int, default=1)
-    run.add_argument("--no-gradient-checkpointing", action="store_true")
+    layout.add_argument("--max_world_size", type=int, default=4096)
+    layout.add_argument("--gpus_per_node", type=int, default=8, help="search step")
+    run = parser.add_argument_group("training (the options of kimi-k3-train where it has them)")
+    run.add_argument("--gpu_memory_gb", type=float, default=141.0)
+    run.add_argument("--reserved_gb", type=float, default=4.0, help="per GPU: CUDA context, allocator slack")
+    run.add_argument("--per_device_train_batch_size", type=int, default=1, help="micro-batch in sequences")
+    run.add_argument("--block_size", type=int, default=4096, help="tokens per sequence")
+    run.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    run.add_argument("--gradient_checkpointing", type=_boolean, default=True, help="true (default) or false")
     for name, default in (("param", "fp32"), ("compute", "bf16"), ("grad", "fp32"), ("optimizer", "fp32")):
-        run.add_argument(f"--{name}-dtype", default=default, choices=tuple(DTYPE_BYTES))
-    run.add_argument("--ns-dtype", default="bf16", choices=("bf16", "fp32"), help="Per-Head Muon's Newton–Schulz "
-                                                                                 "precision (bf16 on GPUs)")
-    run.add_argument("--optimizer", default="muon", choices=OPTIMIZERS)
-    run.add_argument("--lora-rank", type=int, default=0, help="0: full fine-tuning")
-    run.add_argument("--qat", action="store_true", help="MXFP4 quantization-aware training of the experts")
-    run.add_argument("--no-qk-clip", action="store_true")
+        run.add_argument(f"--{name}_dtype", default=default, choices=tuple(DTYPE_BYTES))
+    run.add_argument("--muon_ns_dtype", default="bf16", type=_spelled(NS_DTYPE_SPELLINGS, "--muon_ns_dtype"),
+                     help="Per-Head Muon's Newton–Schulz precision: bfloat16 (bf16, the default: GPUs multiply it "
+                          "natively) or float32 (fp32)")
+    run.add_argument("--optimizer", default="per_head_muon", type=_spelled(OPTIMIZER_SPELLINGS, "--optimizer"),
+                     help="per_head_muon (default) or adamw")
+    run.add_argument("--lora_rank", type=int, default=0, help="0: full fine-tuning")
+    run.add_argument("--qat", nargs="?", const="mxfp4", choices=("mxfp4",),
+                     help="mxfp4: quantization-aware training of the experts")
+    run.add_argument("--qk_clip_tau", default="100", help="QK-Clip's threshold; 0 or none: off (as kimi-k3-train)")
     check = parser.add_argument_group("verification")
     check.add_argument("--verify", action="store_true", help="check the counts against the real sharding (meta device)")
     check.add_argument("--sharding", choices=("accelerate", "transformers"),
                        help="sharding path to verify (default: transformers with ep > 1, else shard_decoder_layers)")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(respelled(command_arguments(argv), RENAMED_OPTIONS, PROG))
     if args.search == (args.world_size is not None):
-        parser.error("give exactly one of --world-size N and --search")
+        parser.error("give exactly one of --world_size N and --search")
+    try:
+        args.qk_clip = parse_qk_clip_tau(args.qk_clip_tau) is not None
+    except ValueError as error:
+        parser.error(str(error))
     return args
+
+
+def _boolean(value: str) -> bool:
+    if value.lower() in ("true", "1", "yes"):
+        return True
+    if value.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def _spelled(spellings: dict[str, str], option: str):
+    """An argparse type that accepts every spelling in ``spellings`` and gives the planner's name."""
+    def parse(value: str) -> str:
+        if value not in spellings:
+            raise argparse.ArgumentTypeError(f"{option} must be one of {', '.join(spellings)}, got {value!r}")
+        return spellings[value]
+
+    return parse
 
 
 def load_config(name: str) -> KimiK3Config:
@@ -80,12 +122,13 @@ def load_config(name: str) -> KimiK3Config:
 
 
 def setup_from(args) -> Setup:
-    return Setup(micro_batch=args.micro_batch, sequence_length=args.seq_len, gradient_accumulation=args.grad_accum,
-                 gradient_checkpointing=not args.no_gradient_checkpointing, param_dtype=args.param_dtype,
+    return Setup(micro_batch=args.per_device_train_batch_size, sequence_length=args.block_size,
+                 gradient_accumulation=args.gradient_accumulation_steps,
+                 gradient_checkpointing=args.gradient_checkpointing, param_dtype=args.param_dtype,
                  compute_dtype=args.compute_dtype, grad_dtype=args.grad_dtype, optimizer_dtype=args.optimizer_dtype,
-                 ns_dtype=args.ns_dtype,
-                 optimizer=args.optimizer, lora_rank=args.lora_rank, qat=args.qat, qk_clip=not args.no_qk_clip,
-                 gpu_memory_gb=args.gpu_memory_gb, reserved_gb=args.reserved_gb)
+                 ns_dtype=args.muon_ns_dtype, optimizer=args.optimizer, lora_rank=args.lora_rank,
+                 qat=args.qat is not None, qk_clip=args.qk_clip, gpu_memory_gb=args.gpu_memory_gb,
+                 reserved_gb=args.reserved_gb)
 
 
 def describe(plan) -> list[str]:

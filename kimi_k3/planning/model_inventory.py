@@ -133,6 +133,19 @@ def narrow_config(config):
         top_k = min(config.num_experts_per_token, 2)
         values.update(num_experts=top_k + 2, num_experts_per_token=top_k, moe_intermediate_size=8,
                       routed_expert_hidden_size=None if config.routed_expert_hidden_size is None else 16)
+        values.update(_narrow_variant_fields(config, values["num_experts"], top_k))
     for key in ("layer_types", "mlp_layer_types", "auto_map", "architectures", "model_type", "transformers_version"):
         values.pop(key, None)
     return type(config)(**values)
+
+
+def _narrow_variant_fields(config, num_experts: int, top_k: int) -> dict:
+    """The variant sizes that still fit ``num_experts`` narrowed experts (two-level routing: two groups of k + 1)."""
+    values = {}
+    if config.expert_basis_size is not None:
+        values["expert_basis_size"] = min(config.expert_basis_size, num_experts)
+    if config.num_coarse_experts is not None:
+        values.update(num_experts=2 * (top_k + 1), num_coarse_experts=2, coarse_experts_per_token=1)
+    if config.dynamic_experts_per_token:
+        values.update(min_experts_per_token=1, max_experts_per_token=num_experts)
+    return values

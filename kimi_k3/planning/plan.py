@@ -136,6 +136,9 @@ def validate(config, layout: Layout, setup: Setup) -> None:
     if layout.fsdp * layout.tp != layout.world_size:
         raise PlanError(f"The layout does not cover the world: fsdp ({layout.fsdp}) x tp ({layout.tp}) = "
                         f"{layout.fsdp * layout.tp} ranks, but `world_size` is {layout.world_size}.")
+    if layout.ep > 1 and getattr(config, "enabled_variants", ()):
+        raise PlanError(f"`ep` must be 1 with {config.enabled_variants[0]}: the expert-parallel plan names the "
+                        f"released tensors only, got {layout.ep}.")
     if layout.ep > 1:
         if config.num_experts is None or not any(t == "sparse" for t in config.mlp_layer_types):
             raise PlanError(f"`ep` is {layout.ep} but the config has no MoE layers (num_experts={config.num_experts}).")

@@ -10,6 +10,11 @@ attaches it for a ``Trainer`` run and logs its metrics.
 
 Sign convention (K3 report Eq. 13-14): routing is top-k of s + b, so b = −β of App. C, and a popular expert
 ends up with a *negative* bias.
+
+The opt-in routing variants (``variants_kimi_k3.py``) are balanced by the same rule on what their selection compares:
+a quantile router's u = F(s) (whose CDF knots the policy also refits, :mod:`kimi_k3.policies.score_quantiles`), a
+two-level router's scores within the chosen groups (and its coarse router like any other), and for dynamic k the fixed
+threshold 0 instead of the (k+1)-th score, solved without mean-centering, so that each expert fires on a k/n share.
 """
 
 import warnings
@@ -20,9 +25,10 @@ from torch import nn
 
 from kimi_k3.attachments.handle import Attachment, undone_on_failure
 from kimi_k3.attachments.padding import PaddingTracker, masked_counts, shared_padding
-from kimi_k3.attachments.seams import find_routers
+from kimi_k3.attachments.seams import routers_by_level
 from kimi_k3.policies.balance_metrics import aggregate_over_layers, load_balance_metrics
 from kimi_k3.policies.callback import PolicyCallback
+from kimi_k3.policies.score_quantiles import SCORE_QUANTILE_EMA, refit_score_quantiles, score_bin_counts
 
 UPDATE_RULES = ("quantile", "sign", "none")
 ESTIMATORS = ("histogram", "exact")
@@ -47,6 +53,23 @@ def required_bias_of_routes(scores: torch.Tensor, bias: torch.Tensor, routes: to
     """r = α − s [N, n] given the routes [N, k] the router took: α is the best biased score left outside them."""
     outside = (scores + bias).scatter(-1, routes, float("-inf"))
     return outside.amax(-1, keepdim=True) - scores
+
+
+def selection_scores(router: nn.Module, tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """What the router's biased selection compares: the sigmoid scores as released, or a variant router's own
+    (``router.selection_scores``: u = F(s), or the scores with experts outside the chosen groups at -inf)."""
+    own = getattr(router, "selection_scores", None)
+    return logits.sigmoid() if own is None else own(tokens, logits)
+
+
+def required_bias_of_router(router: nn.Module, tokens: torch.Tensor, logits: torch.Tensor, routes: torch.Tensor):
+    """r = cutoff − selection score [N, n]: the cutoff is the best biased score left outside the routes (top-k), or
+    the router's fixed ``selection_threshold`` (dynamic k fires every expert above it). Unreachable experts get +inf."""
+    scores = selection_scores(router, tokens, logits)
+    threshold = getattr(router, "selection_threshold", None)
+    if threshold is None:
+        return required_bias_of_routes(scores, router.e_score_correction_bias, routes)
+    return threshold - scores
 
 
 def histogram_range(bias: torch.Tensor, num_bins: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,9 +97,10 @@ class RouterStatistics:
     """One router's statistics over the training forwards of a step; `record` is a forward hook of the router.
 
     Always the real tokens routed to each expert (``tokens_per_expert`` [n]); with ``estimator="histogram"`` also the
-    histogram [n, B] of r, with ``"exact"`` every r [m, n] (the single-process reference). Only forwards in training
-    mode with gradients record, so evaluation and generation never count; the recompute of activation checkpointing
-    records again, to which the quantile and the metrics are invariant.
+    histogram [n, B] of r, with ``"exact"`` every r [m, n] (the single-process reference); for a quantile router the
+    counts of its raw scores between its CDF knots (``score_counts`` [n, B_q]). Only forwards in training mode with
+    gradients record, so evaluation and generation never count; the recompute of activation checkpointing records
+    again, to which the quantile and the metrics are invariant.
     """
 
     def __init__(self, router: nn.Module, padding: PaddingTracker, estimator: str | None, num_bins: int):
@@ -93,21 +117,28 @@ class RouterStatistics:
             else None
         )
         self.required_biases: list[torch.Tensor] = []
+        knots = getattr(self.router, "score_quantiles", None)
+        self.score_counts = (
+            None if knots is None else knots.new_zeros(knots.shape[0], knots.shape[1] - 1, dtype=torch.int64)
+        )
 
     def record(self, router: nn.Module, args: tuple, outputs: tuple) -> None:
         if router.training and torch.is_grad_enabled():
             with torch.no_grad():
-                self._add(router, *outputs)
+                self._add(router, args[0], *outputs)
 
-    def _add(self, router: nn.Module, logits: torch.Tensor, weights: torch.Tensor, routes: torch.Tensor) -> None:
+    def _add(self, router, tokens, logits: torch.Tensor, weights: torch.Tensor, routes: torch.Tensor) -> None:
         if self.tokens_per_expert.device != routes.device:  # the model moved after the statistics were allocated
             self.tokens_per_expert = self.tokens_per_expert.to(routes.device)
             self.histogram = None if self.histogram is None else self.histogram.to(routes.device)
+            self.score_counts = None if self.score_counts is None else self.score_counts.to(routes.device)
         token_mask = self.padding.rows(routes.shape[0])
         self.tokens_per_expert += masked_counts(routes, token_mask, router.num_experts)
+        if self.score_counts is not None:
+            self.score_counts += score_bin_counts(router.scores(logits), router.score_quantiles, token_mask)
         if self.estimator is None:
             return
-        r = required_bias_of_routes(logits.sigmoid(), router.e_score_correction_bias, routes)
+        r = required_bias_of_router(router, tokens, logits, routes)
         if self.estimator == "exact":  # keeps the values, so it drops padding rows (a host sync)
             self.required_biases.append(r if token_mask is None else r[token_mask])
         else:
@@ -157,32 +188,36 @@ def exact_quantile(required_bias: torch.Tensor, top_k: int) -> torch.Tensor:
     return required_bias.kthvalue(rank, dim=0).values
 
 
-def center_bias(bias_hat: torch.Tensor, bias: torch.Tensor, ema: float) -> torch.Tensor:
+def center_bias(bias_hat: torch.Tensor, bias: torch.Tensor, ema: float, center: bool = True) -> torch.Tensor:
     """Mean-centered new bias, optionally an EMA with the old one (App. D).
 
-    A common offset cannot change any top-k decision because every cutoff moves with it.
+    A common offset cannot change any top-k decision because every cutoff moves with it. It does change a
+    fixed-threshold decision (dynamic k), whose bias is therefore used as solved (``center=False``).
     """
-    new = bias_hat - bias_hat.mean(-1, keepdim=True)
+    new = bias_hat - bias_hat.mean(-1, keepdim=True) if center else bias_hat
     if ema:
         new = ema * bias + (1 - ema) * new
-        new = new - new.mean(-1, keepdim=True)
+        new = new - new.mean(-1, keepdim=True) if center else new
     return new
 
 
 def solve_bias_from_histogram(
-    hist: torch.Tensor, bias: torch.Tensor, top_k: int, *, ema: float = 0.0, interpolate: bool = True
+    hist: torch.Tensor, bias: torch.Tensor, top_k: int, *, ema: float = 0.0, interpolate: bool = True,
+    center: bool = True,
 ) -> torch.Tensor:
     """New bias from stacked histograms [L?, n, B]; a layer whose histogram is empty keeps its bias."""
-    new = center_bias(histogram_quantile(hist, bias, top_k, interpolate=interpolate), bias, ema)
+    new = center_bias(histogram_quantile(hist, bias, top_k, interpolate=interpolate), bias, ema, center)
     empty = hist.sum((-2, -1)) == 0
     return torch.where(empty[..., None], bias, new)
 
 
-def solve_bias_exact(required_bias: torch.Tensor, bias: torch.Tensor, top_k: int, *, ema: float = 0.0) -> torch.Tensor:
+def solve_bias_exact(
+    required_bias: torch.Tensor, bias: torch.Tensor, top_k: int, *, ema: float = 0.0, center: bool = True
+) -> torch.Tensor:
     """New bias from all required biases [m, n] of the step; no token means no update."""
     if required_bias.shape[0] == 0:
         return bias.clone()
-    return center_bias(exact_quantile(required_bias, top_k), bias, ema)
+    return center_bias(exact_quantile(required_bias, top_k), bias, ema, center)
 
 
 def sign_update(bias: torch.Tensor, tokens_per_expert: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -219,7 +254,8 @@ def _check_exact_runs_single_process(estimator: str | None, world_size: int) -> 
         raise ValueError("estimator='exact' is a single-process reference; use 'histogram' with several ranks")
 
 
-def _check_settings(update_rule: str, estimator: str, num_bins, ema: float, sign_gamma: float) -> None:
+def _check_settings(update_rule: str, estimator: str, num_bins, ema: float, sign_gamma: float,
+                    score_quantile_ema: float) -> None:
     for name, value, allowed in (("update_rule", update_rule, UPDATE_RULES), ("estimator", estimator, ESTIMATORS)):
         if value not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
@@ -229,6 +265,8 @@ def _check_settings(update_rule: str, estimator: str, num_bins, ema: float, sign
         raise ValueError(f"ema must be in [0, 1), got {ema}")
     if update_rule == "sign" and not sign_gamma > 0:
         raise ValueError(f"sign_gamma must be > 0, got {sign_gamma}")
+    if not 0.0 <= score_quantile_ema < 1.0:
+        raise ValueError(f"score_quantile_ema must be in [0, 1), got {score_quantile_ema}")
 
 
 def _check_routers(routers: dict[str, nn.Module]) -> None:
@@ -237,9 +275,6 @@ def _check_routers(routers: dict[str, nn.Module]) -> None:
             "model has no MoE router (a module with `e_score_correction_bias` and `top_k`); is config.num_experts "
             "set and first_k_dense_replace < num_hidden_layers?"
         )
-    shapes = {(router.top_k, router.num_experts) for router in routers.values()}
-    if len(shapes) > 1:
-        raise ValueError(f"all routers must share (top_k, num_experts) to be updated together, got {shapes}")
     for name, router in routers.items():
         if router.e_score_correction_bias.dtype != torch.float32:
             raise ValueError(
@@ -251,7 +286,8 @@ def _check_routers(routers: dict[str, nn.Module]) -> None:
 
 
 def _check_quantile_balancing_applies(config, routers: dict[str, nn.Module]) -> None:
-    """QB needs sigmoid scores and a free top-(k+1) over all experts (the histogram range and the cutoff both assume them)."""
+    """QB needs sigmoid scores and a free top-(k+1) over all experts (the histogram range and the cutoff both assume
+    them)."""
     activation = getattr(config, "moe_router_activation_func", "sigmoid")
     if activation != "sigmoid":
         raise ValueError(
@@ -265,11 +301,22 @@ def _check_quantile_balancing_applies(config, routers: dict[str, nn.Module]) -> 
             "Quantile Balancing does not support group-limited routing: the cutoff needs a top-(k+1) over all "
             f"experts, got config.num_expert_group={num_groups}, config.topk_group={topk_group}"
         )
-    router = next(iter(routers.values()))
-    if router.top_k + 1 > router.num_experts:
+    for name, router in routers.items():
+        if router.top_k + 1 > router.num_experts:
+            raise ValueError(
+                f"Quantile Balancing needs num_experts_per_token + 1 <= num_experts, got top_k={router.top_k}, "
+                f"num_experts={router.num_experts}"
+                + (f" for {name} (coarse_experts_per_token must be < num_coarse_experts)" if "." in name else "")
+            )
+
+
+def _check_sign_rule_applies(routers: dict[str, nn.Module]) -> None:
+    """The sign rule moves biases toward the mean load, which a fixed selection threshold (dynamic k) cannot use."""
+    threshold_routers = [name for name, router in routers.items() if hasattr(router, "selection_threshold")]
+    if threshold_routers:
         raise ValueError(
-            f"Quantile Balancing needs num_experts_per_token + 1 <= num_experts, got top_k={router.top_k}, "
-            f"num_experts={router.num_experts}"
+            f"update_rule='sign' balances top-k routers only; {threshold_routers[0]} fires every expert above a fixed "
+            "threshold (dynamic_experts_per_token), which update_rule='quantile' solves"
         )
 
 
@@ -278,9 +325,9 @@ class QuantileBalancing:
 
     ``attach(optimizer)`` puts a `RouterStatistics` hook on every router and runs `update` after each step of
     ``optimizer``: after the last micro-batch's forward and backward (so with gradient accumulation there is exactly
-    one update per optimizer step) and before the next step's first forward (causality: a token's routes never depend on its own step). Any optimizer, any
-    training loop: under ``Trainer`` a checkpoint saved at step t then holds the bias step t + 1 routes with, and
-    resuming continues exactly.
+    one update per optimizer step) and before the next step's first forward (causality: a token's routes never depend
+    on its own step). Any optimizer, any training loop: under ``Trainer`` a checkpoint saved at step t then holds the
+    bias step t + 1 routes with, and resuming continues exactly.
 
     Args:
         model: the model to balance, used to validate the setup (``attach`` may be given another view of it, e.g.
@@ -291,6 +338,7 @@ class QuantileBalancing:
             reference.
         num_bins: histogram bins B of the required bias (K3 report Eq. 14); 1000 by default.
         ema: decay of an exponential moving average of the solved bias, in [0, 1); 0 disables it (App. D).
+        score_quantile_ema: weight of the old knots when a quantile router's score CDF is refitted each step.
         sign_gamma: step size γ of the sign rule (DeepSeek-V3 uses 1e-3).
         per_layer_metrics: also report ``balance/layer_{i}/...`` besides the aggregates over layers.
         process_group: group the token stream is sharded over (default: WORLD when torch.distributed is up).
@@ -311,10 +359,13 @@ class QuantileBalancing:
         sign_gamma: float = 1e-3,
         per_layer_metrics: bool = True,
         process_group=None,
+        score_quantile_ema: float = SCORE_QUANTILE_EMA,
     ):
-        _check_settings(update_rule, estimator, num_bins, ema, sign_gamma)
-        routers = find_routers(model)
+        _check_settings(update_rule, estimator, num_bins, ema, sign_gamma, score_quantile_ema)
+        routers = _all_routers(model)
         _check_routers(routers)
+        if update_rule == "sign":
+            _check_sign_rule_applies(routers)
         if update_rule == "quantile":
             _check_quantile_balancing_applies(model.config, routers)
             _check_exact_runs_single_process(estimator, _world_size())
@@ -328,7 +379,9 @@ class QuantileBalancing:
         self.sign_gamma = sign_gamma
         self.per_layer_metrics = per_layer_metrics
         self.process_group = process_group
+        self.score_quantile_ema = score_quantile_ema
         self.statistics: dict[str, RouterStatistics] = {}
+        self.nested_routers: set[str] = set()
         self.latest_metrics: dict[str, float] = {}
         self.latest_loads: dict[str, torch.Tensor] = {}
 
@@ -343,7 +396,9 @@ class QuantileBalancing:
         with undone_on_failure(attachment):
             attachment.add(self.statistics.clear)
             padding = shared_padding(model, attachment)
-            for name, router in find_routers(model).items():
+            outer, inner = routers_by_level(model)
+            self.nested_routers = set(inner)
+            for name, router in {**outer, **inner}.items():
                 self.statistics[name] = RouterStatistics(router, padding, self.estimator, self.num_bins)
                 attachment.add(router.register_forward_hook(self.statistics[name].record))
             if optimizer is not None:
@@ -352,45 +407,72 @@ class QuantileBalancing:
 
     @torch.no_grad()
     def update(self) -> dict[str, float]:
-        """Pool this step's statistics, update every router bias, clear the statistics; return the metrics."""
+        """Pool this step's statistics, update every router bias (and quantile routers' score CDFs), clear the
+        statistics; return the metrics."""
         if not self.statistics:
             raise RuntimeError("Quantile Balancing updates from the statistics it records: attach it first")
         if not self.enabled:
             _reset(self.statistics)
             return {}
-        tokens, hist = self._pooled()
-        routers = [stats.router for stats in self.statistics.values()]
-        biases = torch.stack([router.e_score_correction_bias for router in routers])
-        new_biases = self._new_biases(biases, tokens, hist)
-        for router, new_bias in zip(routers, new_biases):
-            router.e_score_correction_bias.copy_(new_bias)
+        pooled = self._pooled()
+        new_biases = {}
+        for names in _routers_balanced_together(self.statistics):
+            group = [self.statistics[name] for name in names]
+            biases = torch.stack([stats.router.e_score_correction_bias for stats in group])
+            tokens, hist = (_stacked(pooled, names, field) for field in ("tokens", "histogram"))
+            new_biases.update(zip(names, self._new_biases(group, biases, tokens, hist)))
+        for name, stats in self.statistics.items():
+            stats.router.e_score_correction_bias.copy_(new_biases[name])
+            if stats.score_counts is not None:
+                knots = stats.router.score_quantiles
+                knots.copy_(refit_score_quantiles(knots, pooled[name]["score_counts"], self.score_quantile_ema))
         _reset(self.statistics)
-        names = list(self.statistics)
-        self.latest_loads = {name: tokens[i].cpu() for i, name in enumerate(names)}
-        per_layer = {name: load_balance_metrics(tokens[i], new_biases[i]) for i, name in enumerate(names)}
-        self.latest_metrics = aggregate_over_layers(per_layer, include_layers=self.per_layer_metrics)
+        self.latest_metrics = self._metrics(pooled, new_biases)
         return self.latest_metrics
 
-    def _pooled(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Token counts [L, n] and, for the histogram estimator, histograms [L, n, B], summed over ranks at once."""
-        pooled = [torch.stack([stats.tokens_per_expert for stats in self.statistics.values()])]
-        if self.estimator == "histogram":
-            pooled.append(torch.stack([stats.histogram for stats in self.statistics.values()]))
-        pooled = all_reduce_sum(pooled, self.process_group)
-        return pooled[0], pooled[1] if len(pooled) > 1 else None
+    def _metrics(self, pooled: dict, new_biases: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The MoE routers' metrics under ``balance/``, two-level routing's coarse routers' under ``balance/coarse/``;
+        ``latest_loads`` keeps the MoE routers' token counts."""
+        nested = self.nested_routers & self.statistics.keys()
+        self.latest_loads = {name: pooled[name]["tokens"].cpu() for name in self.statistics if name not in nested}
+        per_layer = {name: load_balance_metrics(pooled[name]["tokens"], new_biases[name]) for name in self.statistics}
+        metrics = aggregate_over_layers({name: per_layer[name] for name in self.latest_loads},
+                                        include_layers=self.per_layer_metrics)
+        if nested:
+            metrics.update(aggregate_over_layers({name: per_layer[name] for name in nested},
+                                                 include_layers=self.per_layer_metrics, prefix="balance/coarse"))
+        return metrics
 
-    def _new_biases(self, biases, tokens, hist) -> torch.Tensor:
-        top_k = next(iter(self.statistics.values())).router.top_k
+    def _pooled(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Per router: token counts [n], the histogram [n, B] (histogram estimator) and a quantile router's score
+        counts, summed over ranks with one collective for all of them."""
+        fields = []
+        for name, stats in self.statistics.items():
+            fields.append((name, "tokens", stats.tokens_per_expert))
+            if self.estimator == "histogram":
+                fields.append((name, "histogram", stats.histogram))
+            if stats.score_counts is not None:
+                fields.append((name, "score_counts", stats.score_counts))
+        reduced = all_reduce_sum([tensor for _, _, tensor in fields], self.process_group)
+        pooled = {name: {} for name in self.statistics}
+        for (name, field, _), tensor in zip(fields, reduced):
+            pooled[name][field] = tensor
+        return pooled
+
+    def _new_biases(self, statistics: list[RouterStatistics], biases, tokens, hist) -> torch.Tensor:
+        """New biases [L, n] of routers that share (top_k, n) and selection rule, from their stacked statistics."""
+        router = statistics[0].router
+        center = getattr(router, "selection_threshold", None) is None
         if self.update_rule == "none":
             return biases
         if self.update_rule == "sign":
             return sign_update(biases, tokens, self.sign_gamma)
         if self.estimator == "histogram":
-            return solve_bias_from_histogram(hist, biases, top_k, ema=self.ema)
+            return solve_bias_from_histogram(hist, biases, router.top_k, ema=self.ema, center=center)
         return torch.stack(
             [
-                solve_bias_exact(stats.step_required_bias(), bias, top_k, ema=self.ema)
-                for stats, bias in zip(self.statistics.values(), biases)
+                solve_bias_exact(stats.step_required_bias(), bias, router.top_k, ema=self.ema, center=center)
+                for stats, bias in zip(statistics, biases)
             ]
         )
 
@@ -427,3 +509,24 @@ def _warn_if_an_adapter_would_drop_the_bias(model: nn.Module) -> None:
 def _reset(statistics: dict[str, RouterStatistics]) -> None:
     for stats in statistics.values():
         stats.reset()
+
+
+def _all_routers(model: nn.Module) -> dict[str, nn.Module]:
+    """Every router Quantile Balancing updates: the MoE routers, then the routers nested in them."""
+    outer, inner = routers_by_level(model)
+    return {**outer, **inner}
+
+
+def _routers_balanced_together(statistics: dict[str, RouterStatistics]) -> list[list[str]]:
+    """Router names grouped by (top_k, n, selection rule): each group's biases are solved as one stacked tensor."""
+    groups: dict[tuple, list[str]] = {}
+    for name, stats in statistics.items():
+        router = stats.router
+        key = (router.top_k, router.num_experts, getattr(router, "selection_threshold", None))
+        groups.setdefault(key, []).append(name)
+    return list(groups.values())
+
+
+def _stacked(pooled: dict[str, dict[str, torch.Tensor]], names: list[str], field: str) -> torch.Tensor | None:
+    tensors = [pooled[name].get(field) for name in names]
+    return None if tensors[0] is None else torch.stack(tensors)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from huggingface_hub import HfApi, ModelCard, constants, get_session, get_token
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+from transformers.dynamic_module_utils import get_relative_imports
 
 from kimi_k3.checkpoint import run_folder
 from kimi_k3.checkpoint.finite import check_finite_files
@@ -57,6 +58,9 @@ def check_model_files(folder: Path) -> None:
     if not folder.is_dir():
         raise HubError(f"{folder} is not a folder")
     missing = [name for name in REQUIRED_FILES if not (folder / name).is_file()]
+    if (folder / "modeling_kimi_k3.py").is_file():  # and every file it imports, which trust_remote_code fetches too
+        imported = [f"{name}.py" for name in get_relative_imports(folder / "modeling_kimi_k3.py")]
+        missing += sorted(name for name in imported if name not in missing and not (folder / name).is_file())
     if not any(folder.glob("*.safetensors")):
         missing.append("*.safetensors")
     if missing:

@@ -86,6 +86,7 @@ def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
 
     Active = every parameter except the input embedding table (a row lookup, not a matmul) and the routed experts
     a token does not visit: of each MoE layer's E experts, k are used, so (E - k)/E of its expert weights are idle.
+    Shared-basis experts build every used expert from all basis matrices: only the unused experts' coefficients idle.
     """
     config = model.config
     total = sum(p.numel() for p in model.parameters())
@@ -93,7 +94,10 @@ def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
     routed = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
     idle = 0
     if config.num_experts:
-        idle = routed * (config.num_experts - config.num_experts_per_token) // config.num_experts
+        unused = config.num_experts - config.num_experts_per_token
+        coefficients = sum(p.numel() for name, p in model.named_parameters() if name.endswith("_coefficients"))
+        basis = getattr(config, "expert_basis_size", None)
+        idle = coefficients * unused // config.num_experts if basis else routed * unused // config.num_experts
     return {"total": total, "embedding": embedding, "routed_experts": routed, "active": total - embedding - idle}
 
 
@@ -113,6 +117,9 @@ def architecture_summary(config) -> dict[str, object]:
         "shared experts": config.num_shared_experts,
         "expert latent size / intermediate": f"{config.routed_expert_hidden_size} / {config.moe_intermediate_size}",
         "AttnRes block size": config.attn_res_block_size,
+        # Only for the opt-in variants (docs/variants.md): a released-style card has no such row.
+        **({"Stable LatentMoE variants": ", ".join(config.enabled_variants)} if getattr(config, "enabled_variants", ())
+           else {}),
     }
 
 

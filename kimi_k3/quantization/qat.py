@@ -171,6 +171,11 @@ def attach_qat(model: nn.Module, weights: str = "mxfp4", activations: str = "non
         raise ValueError(f"QAT weight format must be one of {list(WEIGHT_FORMATS)}, got {weights!r}.")
     if activations not in ACTIVATION_FORMATS:
         raise ValueError(f"QAT activation format must be one of {list(ACTIVATION_FORMATS)}, got {activations!r}.")
+    if any(hasattr(module, "gate_up_basis") for module in model.modules()):
+        raise ValueError(
+            f"QAT {weights} fake-quantizes each routed expert's own weight tensors; shared-basis experts "
+            "(expert_basis_size) build theirs from a basis, which QAT does not support."
+        )
     experts = find_routed_experts(model)
     if not experts:
         raise ValueError(

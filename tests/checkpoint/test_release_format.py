@@ -512,3 +512,41 @@ def test_converting_a_trainer_checkpoint_leaves_its_optimizer_state_and_pickles_
     assert not written & {"optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin", "trainer_state.json"}
     assert ("not converted (Trainer state, not part of the model): optimizer.pt, rng_state.pth, scheduler.pt, "
             "trainer_state.json, training_args.bin") in capsys.readouterr().err  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The opt-in variants (variants_kimi_k3.py)
+# ---------------------------------------------------------------------------------------------------------------------
+def test_shared_basis_export_materialises_each_expert_and_reloads_as_the_materialised_model(ids, tmp_path):
+    torch.manual_seed(0)
+    basis = KimiK3ForCausalLM(tiny_config(**MXFP4_SHAPES, expert_basis_size=3)).eval()
+    basis.save_pretrained(tmp_path / "ours")
+    export_released(tmp_path / "ours", tmp_path / "released", progress=False)
+    shapes = tensor_shapes(tmp_path / "released")
+    assert not any("basis" in name or "coefficients" in name for name in shapes)
+    assert shapes[f"{PREFIX}.1.block_sparse_moe.experts.7.w2.weight_packed"] == ((32, 16), "U8")
+    config = json.loads((tmp_path / "released" / "config.json").read_text())["text_config"]
+    assert "expert_basis_size" not in config
+    # The materialised model: independent experts W_e = sum_j C[e, j] B_j, as MXFP4 stores them.
+    materialised = KimiK3ForCausalLM(tiny_config(**MXFP4_SHAPES)).eval()
+    state = {name: tensor for name, tensor in basis.state_dict().items() if "basis" not in name and "coefficients" not in name}
+    for name, module in basis.named_modules():
+        if hasattr(module, "gate_up_basis"):
+            for fused in ("gate_up_proj", "down_proj"):
+                state[f"{name}.{fused}"] = dequantize_mxfp4(*quantize_mxfp4(getattr(module, fused).detach()), torch.float32)
+    materialised.load_state_dict(state)
+    reloaded = KimiK3ForCausalLM.from_pretrained(tmp_path / "released").eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, materialised(ids).logits)
+
+
+@pytest.mark.parametrize("fields", [{"router_score_normalization": "quantile"}, {"attention_gate_routing": True},
+                                    {"num_coarse_experts": 2, "coarse_experts_per_token": 1},
+                                    {"dynamic_experts_per_token": True}])
+def test_export_refuses_variants_the_released_layout_cannot_represent_in_one_line(fields, tmp_path, capsys):
+    KimiK3ForCausalLM(tiny_config(**MXFP4_SHAPES, **fields)).save_pretrained(tmp_path / "ours")
+    assert convert_main(["to-release", str(tmp_path / "ours"), str(tmp_path / "released"), "--no-progress"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.fullmatch(rf"kimi-k3-convert: error: export_released: the released layout cannot represent .*"
+                        rf"\({next(iter(fields))}\); keep this project's layout.*", line), line
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["ours"]

@@ -28,6 +28,7 @@ from kimi_k3.parallel.sharding import (
     shard_decoder_layers,
     sharded_loading_config,
 )
+from kimi_k3.attachments.seams import find_routers
 from kimi_k3.job.trainer import KimiK3Trainer
 from kimi_k3.optim.muon import PerHeadMuon, PerHeadMuonFactory
 from kimi_k3.policies.qk_clip import QKClip, QKClipCallback
@@ -35,7 +36,6 @@ from kimi_k3.policies.quantile_balancing import (
     QuantileBalancing,
     QuantileBalancingCallback,
     all_reduce_sum,
-    find_routers,
 )
 from kimi_k3.quantization.qat import attach_qat
 from modeling_kimi_k3 import KimiK3ForCausalLM

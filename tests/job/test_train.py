@@ -705,7 +705,30 @@ BAD_INPUTS = {
     "string routed scaling factor": (
         lambda run, tmp: ["--config_overrides", '{"routed_scaling_factor": "2.5"}'], "`routed_scaling_factor` must be a number"
     ),
+    "two routing variants at once": (
+        lambda run, tmp: ["--config_overrides", json.dumps({**TINY_MODEL, "dynamic_experts_per_token": True,
+                                                            "router_score_normalization": "quantile"})],
+        "each replace the router's selection rule; enable at most one",
+    ),
+    "variant the released layout cannot hold": (
+        lambda run, tmp: ["--config_overrides", json.dumps({**TINY_MODEL, "attention_gate_routing": True,
+                                                            **MXFP4_WIDTHS}), "--final_layout", "released"],
+        "--final_layout released: the released layout cannot represent routing-modulated attention gates",
+    ),
+    "QAT of shared-basis experts": (
+        lambda run, tmp: ["--config_overrides", json.dumps({**TINY_MODEL, "expert_basis_size": 2, **MXFP4_WIDTHS}),
+                          "--qat", "mxfp4"],
+        "QAT mxfp4 fake-quantizes each routed expert's own weight tensors",
+    ),
+    "expert merging threshold above 1": (
+        lambda run, tmp: ["--expert_merging_every_n_steps", "5", "--expert_merging_threshold", "1.5"],
+        "--expert_merging_threshold is a cosine similarity in [-1, 1], got 1.5",
+    ),
+    "negative merging period": (
+        lambda run, tmp: ["--expert_merging_every_n_steps", "-2"], "--expert_merging_every_n_steps must be >= 0",
+    ),
 }
+MXFP4_WIDTHS = {"routed_expert_hidden_size": 32, "moe_intermediate_size": 32}
 
 
 def write_bytes(folder: Path, name: str, content: bytes) -> Path:
@@ -806,3 +829,31 @@ def test_final_evaluation_reuses_an_evaluation_the_trainer_ran_at_the_last_step(
     state.global_step = 9  # evaluated at step 8, trained on to step 9: evaluate again
     assert train.evaluation_at_last_step(state) is None
     assert train.evaluation_at_last_step(TrainerState(global_step=3)) is None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The opt-in Stable LatentMoE variants through --config_overrides (the 150-step runs are in docs/variants.md)
+# ---------------------------------------------------------------------------------------------------------------------
+VARIANT_JOBS = {  # the three routing rules exclude each other; the other variants ride along
+    "quantile routing, shared basis, attention gates": {"router_score_normalization": "quantile",
+                                                        "expert_basis_size": 3, "attention_gate_routing": True},
+    "two-level routing": {"num_coarse_experts": 4, "coarse_experts_per_token": 2},
+    "dynamic k": {"dynamic_experts_per_token": True},
+}
+
+
+@pytest.mark.parametrize("variant", VARIANT_JOBS)
+def test_each_variant_trains_through_config_overrides_and_its_folder_reloads(variant, trained, tmp_path):
+    overrides = json.dumps({**TINY_MODEL, **VARIANT_JOBS[variant]})
+    args = tiny_args(tmp_path / "run", trained[1], "--config_overrides", overrides, "--max_steps", "4")
+    status, printed = run_main(args)
+    assert status == 0, printed
+    state = json.loads((tmp_path / "run" / "checkpoint-4" / "trainer_state.json").read_text())
+    losses = [entry["loss"] for entry in state["log_history"] if "loss" in entry]
+    assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses)
+    assert all(math.isfinite(entry["balance/max_vio"]) for entry in state["log_history"] if "balance/max_vio" in entry)
+    saved = json.loads((tmp_path / "run" / "model" / "config.json").read_text())
+    assert {key: saved[key] for key in VARIANT_JOBS[variant]} == VARIANT_JOBS[variant]
+    model = KimiK3ForCausalLM.from_pretrained(tmp_path / "run" / "model").eval()
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[5, 6, 7, 8]])).logits).all()

@@ -18,7 +18,7 @@ from kimi_k3.optim.muon import (
 from kimi_k3.policies.qk_clip import QKClipCallback
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from tests.conftest import tiny_config
-from tests.numerics import BF16_EPS
+from tests.numerics import BF16_EPS, assert_as_accurate
 
 
 def _one_step_update(grad, lr=1.0, **group):
@@ -343,3 +343,27 @@ def test_trainer_factory_trains_with_the_training_arguments_lr_and_weight_decay(
                    optimizer_cls_and_kwargs=(PerHeadMuonFactory, {"lr": 3e-4}))
     with pytest.raises(ValueError, match=r"needs weight_decay.*from_training_args\(args\)"):
         bare.create_optimizer()
+
+
+def test_shared_basis_banks_are_orthogonalised_per_expert_block_and_coefficients_go_to_adamw():
+    config = tiny_config(expert_basis_size=3)
+    model = KimiK3ForCausalLM(config)
+    tags = {id(p): group for group in build_param_groups(model) for p in group["params"]}
+    experts = model.model.layers[1].block_sparse_moe.experts
+    gate_up, down = tags[id(experts.gate_up_basis)], tags[id(experts.down_basis)]
+    assert gate_up["use_muon"] and gate_up["expert_rows"] == config.moe_intermediate_size  # w1 and w3 blocks
+    assert down["use_muon"] and down["expert_rows"] == config.routed_expert_hidden_size
+    assert not tags[id(experts.gate_up_coefficients)]["use_muon"]
+    optimizer = PerHeadMuon.for_model(model, lr=1e-2, weight_decay=0.0, ns_dtype="float32")
+    ids = torch.randint(3, 97, (2, 8))
+    model(ids, labels=ids).loss.backward()
+    grad = experts.gate_up_basis.grad
+    nesterov = grad.add(grad, alpha=0.95)  # the first step's momentum buffer is the gradient
+    blocks = nesterov.view(6, config.moe_intermediate_size, -1)  # w1 and w3 of each basis matrix
+    before = experts.gate_up_basis.detach().clone()
+    optimizer.step()
+    update = (before - experts.gate_up_basis.detach()).view_as(blocks)
+    scale = 1e-2 * 0.2 * max(blocks.shape[1:]) ** 0.5  # lr x Moonlight RMS matching
+    assert_as_accurate(update, scale * zeropower_via_newton_schulz5(blocks, dtype=torch.float32),
+                       scale * zeropower_via_newton_schulz5(blocks.double(), dtype=torch.float64),
+                       what="basis blocks")

@@ -130,7 +130,7 @@ def test_activation_estimate_is_within_15_percent_of_what_autograd_saves(config)
 def test_full_k3_with_per_head_muon_fits_448_h200s_and_is_verified_there(capsys):
     """The released model with bf16 weights at the layout AdamW needs (448 ranks, ep 28): 2 whole experts per rank,
     whose Newton–Schulz never leaves it."""
-    assert plan_parallel.main(["--world-size", "448", "--ep", "28", "--param-dtype", "bf16", "--verify"]) == 0
+    assert plan_parallel.main(["--world_size", "448", "--ep", "28", "--param_dtype", "bf16", "--verify"]) == 0
     out = capsys.readouterr().out
     assert "verified: parameters, gradients, optimizer state and buffers" in out
     assert "fits: " in out and "memory per rank (rank 0)" in out and "expert all-to-all" in out
@@ -138,7 +138,7 @@ def test_full_k3_with_per_head_muon_fits_448_h200s_and_is_verified_there(capsys)
 
 
 def test_small_config_fits_and_prints_both_tables(capsys):
-    assert plan_parallel.main(["--config", "small", "--world-size", "2", "--seq-len", "64"]) == 0
+    assert plan_parallel.main(["--config", "small", "--world_size", "2", "--block_size", "64"]) == 0
     out = capsys.readouterr().out
     assert "fits: " in out and "communication per step per rank" in out
     assert QUANTILE_BALANCING_ROW in out and NEWTON_SCHULZ_ROW in out
@@ -146,7 +146,7 @@ def test_small_config_fits_and_prints_both_tables(capsys):
 
 def test_a_plan_that_disagrees_with_the_sharded_model_is_an_error(monkeypatch, capsys):
     monkeypatch.setattr(parallel_plan, "local_numel", lambda spec, layout: spec.numel // layout.fsdp)
-    assert plan_parallel.main(["--config", "small", "--world-size", "3", "--optimizer", "adamw", "--verify"]) == 1
+    assert plan_parallel.main(["--config", "small", "--world_size", "3", "--optimizer", "adamw", "--verify"]) == 1
     assert "MISMATCH" in capsys.readouterr().out
 
 
@@ -155,7 +155,7 @@ def test_a_plan_that_places_the_experts_wrongly_is_an_error_naming_the_parameter
     one_dim = parallel_plan.planned_placements
     monkeypatch.setattr(parallel_plan, "planned_placements",
                         lambda expert, layout: one_dim(expert, Layout(layout.world_size, layout.fsdp)))
-    assert plan_parallel.main(["--config", "small", "--world-size", "4", "--ep", "2", "--verify"]) == 1
+    assert plan_parallel.main(["--config", "small", "--world_size", "4", "--ep", "2", "--verify"]) == 1
     out = capsys.readouterr().out
     assert "MISMATCH" in out and "experts.gate_up_proj: plan places it ((4,)" in out
 
@@ -163,13 +163,15 @@ def test_a_plan_that_places_the_experts_wrongly_is_an_error_naming_the_parameter
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--world-size", "64", "--fsdp", "32"], "fsdp (32) x tp (1) = 32 ranks, but `world_size` is 64"),
-        (["--world-size", "256", "--ep", "256"], "`ep` (256) must divide the 896 experts"),
-        (["--world-size", "64", "--ep", "128"], "`ep` (128) must divide `fsdp` (64)"),
-        (["--world-size", "16", "--tp", "2"], "`tp` must be 1"),
-        (["--world-size", "8", "--grad-accum", "0"], "`gradient_accumulation` must be a positive integer"),
-        (["--world-size", "8", "--lora-rank", "8"], "use `optimizer` 'adamw' with LoRA"),
-        (["--world-size", "8", "--param-dtype", "fp32", "--micro-batch", "0"], "`micro_batch` must be a positive"),
+        (["--world_size", "64", "--fsdp", "32"], "fsdp (32) x tp (1) = 32 ranks, but `world_size` is 64"),
+        (["--world_size", "256", "--ep", "256"], "`ep` (256) must divide the 896 experts"),
+        (["--world_size", "64", "--ep", "128"], "`ep` (128) must divide `fsdp` (64)"),
+        (["--world_size", "16", "--tp", "2"], "`tp` must be 1"),
+        (["--world_size", "8", "--gradient_accumulation_steps", "0"],
+         "`gradient_accumulation` must be a positive integer"),
+        (["--world_size", "8", "--lora_rank", "8"], "use `optimizer` 'adamw' with LoRA"),
+        (["--world_size", "8", "--param_dtype", "fp32", "--per_device_train_batch_size", "0"],
+         "`micro_batch` must be a positive"),
     ],
 )
 def test_bad_layouts_get_one_line_before_anything_is_instantiated(monkeypatch, capsys, argv, message):
@@ -179,9 +181,26 @@ def test_bad_layouts_get_one_line_before_anything_is_instantiated(monkeypatch, c
     assert message in err and err.count("\n") == 1
 
 
+def test_the_old_option_spellings_give_the_same_plan_each_announced_once(capsys):
+    new = ["--config", "small", "--world_size", "2", "--block_size", "64", "--per_device_train_batch_size", "2",
+           "--gradient_checkpointing", "false", "--muon_ns_dtype", "float32", "--qk_clip_tau", "none",
+           "--optimizer", "per_head_muon", "--qat", "mxfp4"]
+    old = ["--config", "small", "--world-size", "2", "--seq-len", "64", "--micro-batch", "2",
+           "--no-gradient-checkpointing", "--ns-dtype", "fp32", "--no-qk-clip", "--optimizer", "muon", "--qat"]
+    assert plan_parallel.main(new) == 0
+    planned = capsys.readouterr()
+    assert planned.err == "" and "checkpointing off" in planned.out and "MXFP4 QAT" in planned.out
+    assert plan_parallel.main(old) == 0
+    again = capsys.readouterr()
+    assert again.out == planned.out
+    warnings = again.err.splitlines()
+    assert len(warnings) == 6 and all(line.startswith("kimi-k3-plan: warning: --") for line in warnings)
+    assert "--ns-dtype is now spelled --muon_ns_dtype" in again.err
+
+
 def test_config_the_model_refuses_gets_one_line(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_k3", "num_experts_per_token": 0}))
-    assert plan_parallel.main(["--config", str(tmp_path), "--world-size", "2"]) == 2
+    assert plan_parallel.main(["--config", str(tmp_path), "--world_size", "2"]) == 2
     err = capsys.readouterr().err
     assert "num_experts_per_token" in err and err.count("\n") == 1
 
@@ -215,3 +234,32 @@ def test_plan_equals_what_a_real_two_process_run_holds_and_sends(two_process_cou
     assert (measured["quantile_balancing"]["calls"], measured["quantile_balancing"]["payload"]) == (calls, payload)
     # 9 layers - 1 dense = 8 MoE layers of 64 token counts and 64 x 1000 histogram bins, int64.
     assert payload == 8 * 64 * 1001 * 8
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The opt-in Stable LatentMoE variants
+# ---------------------------------------------------------------------------------------------------------------------
+VARIANT_CONFIGS = {
+    "basis+quantile+gate": {"expert_basis_size": 16, "router_score_normalization": "quantile",
+                            "attention_gate_routing": True},
+    "two-level": {"num_coarse_experts": 8, "coarse_experts_per_token": 2},
+    "dynamic-k": {"dynamic_experts_per_token": True},
+}
+
+
+@pytest.mark.parametrize("variant", VARIANT_CONFIGS)
+def test_plan_counts_of_the_variants_equal_the_meta_model_sharded_by_the_real_code(variant):
+    config = KimiK3Config(**VARIANT_CONFIGS[variant])
+    layout, setup = Layout(2, 2), Setup()
+    plan = make_plan(config, layout, setup)
+    assert differences(plan, sharded_run(config, layout, setup, "accelerate")) == []
+
+
+def test_full_size_shared_basis_parameters_follow_the_formula_and_expert_parallelism_is_refused():
+    released, basis = KimiK3Config.kimi_k3(), KimiK3Config.kimi_k3(expert_basis_size=224)
+    total = {name: sum(spec.numel for spec in model_inventory(c).specs) for name, c in (("released", released),
+                                                                                      ("basis", basis))}
+    experts, expert_size, moe_layers = 896, 3 * 3072 * 3584, 92
+    assert total["released"] - total["basis"] == moe_layers * (experts * expert_size - (224 * expert_size + 2 * experts * 224))
+    with pytest.raises(PlanError, match="`ep` must be 1 with shared-basis experts"):
+        make_plan(basis, Layout(64, 64, ep=8), Setup())

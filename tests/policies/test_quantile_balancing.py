@@ -9,13 +9,13 @@ import torch.distributed as dist
 from safetensors import safe_open
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from kimi_k3.attachments.seams import find_routers
 from kimi_k3.policies.balance_metrics import aggregate_over_layers, load_balance_metrics
 from kimi_k3.policies.quantile_balancing import (
     QuantileBalancing,
     QuantileBalancingCallback,
     all_reduce_sum,
     exact_quantile,
-    find_routers,
     histogram_quantile,
     histogram_range,
     required_bias,
@@ -26,6 +26,7 @@ from kimi_k3.policies.quantile_balancing import (
     solve_bias_from_histogram,
 )
 from modeling_kimi_k3 import KimiK3ForCausalLM
+from tests.conftest import tiny_config
 
 # ---------------------------------------------------------------------------------------------------------
 # A synthetic router: z_ij = μ_j + u_i·v_j + 0.5·ε_ij, s = σ(z)
@@ -634,3 +635,50 @@ def test_trainer_updates_once_per_optimizer_step_and_logs_metrics(model, tmp_pat
     assert len(reported) == 3 and all("balance/layer_1/cv" in logs for logs in reported)
     assert "balance/max_vio" in capsys.readouterr().out
     assert balancing.attachment is None and not layer._forward_hooks  # detached at the end of training
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The routing variants (variants_kimi_k3.py)
+# ---------------------------------------------------------------------------------------------------------
+def test_dynamic_k_mean_active_count_settles_within_five_percent_of_k_inside_the_bounds():
+    torch.manual_seed(0)
+    config = tiny_config(dynamic_experts_per_token=True, min_experts_per_token=1, max_experts_per_token=4)
+    model = KimiK3ForCausalLM(config).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    balancing = QuantileBalancing(model)
+    balancing.attach(optimizer)
+    means, generator = [], torch.Generator().manual_seed(0)
+    for step in range(16):
+        ids = torch.randint(3, 97, (8, 32), generator=generator)
+        model(ids, labels=ids).loss.backward()
+        if step >= 10:  # after the first updates: each expert fires on a k/n share
+            means += [stats.tokens_per_expert.sum().item() / ids.numel() for stats in balancing.statistics.values()]
+        optimizer.step(), optimizer.zero_grad()
+    assert abs(sum(means) / len(means) - 2) < 0.05 * 2, means
+    router = find_routers(model)["layer_1"]
+    _, _, routes = router(torch.randn(500, config.hidden_size))
+    counts = (routes < config.num_experts).sum(-1)
+    assert counts.min() >= 1 and counts.max() <= 4
+    assert router.e_score_correction_bias.mean() < -0.1  # solved as is, not mean-centered
+    with pytest.raises(ValueError, match="update_rule='sign' balances top-k routers only"):
+        QuantileBalancing(model, update_rule="sign")
+
+
+def test_two_level_routing_balances_the_coarse_routers_and_reports_them_apart():
+    model = KimiK3ForCausalLM(tiny_config(num_coarse_experts=4, coarse_experts_per_token=2))
+    balancing = QuantileBalancing(model, estimator="exact")
+    balancing.attach()
+    assert "layer_1.coarse_gate" in balancing.statistics
+    coarse = model.model.layers[1].block_sparse_moe.gate.coarse_gate
+    with torch.no_grad():
+        coarse.weight[0] += 0.5  # a popular group
+    ids = batch_ids(batch=4)
+    train_forward(model, ids)
+    before = balancing.statistics["layer_1.coarse_gate"].tokens_per_expert.clone()
+    metrics = balancing.update()
+    train_forward(model, ids)
+    after = balancing.statistics["layer_1.coarse_gate"].tokens_per_expert
+    assert (after.max() - after.min()) < (before.max() - before.min()) and coarse.e_score_correction_bias[0] < 0
+    assert "balance/coarse/max_vio" in metrics and set(balancing.latest_loads) == set(find_routers(model))
+    with pytest.raises(ValueError, match="coarse_experts_per_token must be < num_coarse_experts"):
+        QuantileBalancing(KimiK3ForCausalLM(tiny_config(num_coarse_experts=1, coarse_experts_per_token=1)))

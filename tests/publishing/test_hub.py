@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 REPO_ID = "someone/kimi-k3-tiny"
 MODEL_FILES = {
     "README.md", "checkpoint_format_kimi_k3.py", "config.json", "configuration_kimi_k3.py", "generation_config.json", "model.safetensors",
-    "modeling_kimi_k3.py", "tokenizer.json", "tokenizer_config.json",
+    "modeling_kimi_k3.py", "tokenizer.json", "tokenizer_config.json", "variants_kimi_k3.py",
 }  # fmt: skip
 # The training job's model/ folder also holds the card's picture (a checkpoint-N folder does not).
 TRAINED_MODEL_FILES = MODEL_FILES | ({"expert_load.png"} if matplotlib_available() else set())
@@ -165,9 +165,10 @@ def test_push_script_publishes_checkpoint_with_new_card_and_without_trainer_stat
     "spoil, message",
     [
         (lambda folder: (folder / "modeling_kimi_k3.py").unlink(), "missing ['modeling_kimi_k3.py']"),
+        (lambda folder: (folder / "variants_kimi_k3.py").unlink(), "missing ['variants_kimi_k3.py']"),
         (lambda folder: (folder / "README.md").write_text("# Model Card for Model ID\n"), "not a Kimi K3 model card"),
     ],
-    ids=["incomplete folder", "generic card"],
+    ids=["incomplete folder", "file the model code imports", "generic card"],
 )
 def test_push_refuses_unpublishable_folder_before_creating_the_repo(pushed, fake_hub, tmp_path, spoil, message):
     folder = tmp_path / "model"

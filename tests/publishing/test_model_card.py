@@ -14,9 +14,11 @@ from kimi_k3.publishing.model_card import (
     K3_RELEASE,
     K3_RELEASE_LICENSE,
     TrainingSummary,
+    architecture_summary,
     card_metadata,
     metadata_problems,
     name_card_for_repo,
+    parameter_counts,
     render_model_card,
 )
 from modeling_kimi_k3 import KimiK3ForCausalLM
@@ -180,3 +182,16 @@ def test_metadata_rules_reject_what_the_hub_rejects(case):
 def test_card_flags_are_checked_with_a_message_naming_the_flag(arguments, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
         card_metadata(**arguments)
+
+
+def test_card_names_the_enabled_variants_and_counts_a_shared_basis_as_active():
+    assert "Stable LatentMoE variants" not in architecture_summary(tiny_config())
+    config = tiny_config(expert_basis_size=3, attention_gate_routing=True)
+    model = KimiK3ForCausalLM(config)
+    assert architecture_summary(config)["Stable LatentMoE variants"] == (
+        "shared-basis experts (expert_basis_size), routing-modulated attention gates (attention_gate_routing)"
+    )
+    counts = parameter_counts(model)
+    # Every used expert reads all 3 basis matrices; only the 6 unused experts' coefficient rows (2 x 3 each) idle.
+    moe_layers = config.mlp_layer_types.count("sparse")
+    assert counts["total"] - counts["embedding"] - counts["active"] == moe_layers * 6 * 2 * 3

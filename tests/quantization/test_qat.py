@@ -341,3 +341,19 @@ def test_unknown_qat_format_is_refused_by_the_argument_parser_naming_the_choices
     message = capsys.readouterr().err.strip().splitlines()[-1]
     assert "argument --qat: invalid choice: 'nvfp4' (choose from" in message and "mxfp4" in message
     assert not (tmp_path / "out").exists()
+
+
+def test_qat_refuses_shared_basis_experts_in_one_line():
+    with pytest.raises(ValueError, match=r"^QAT mxfp4 fake-quantizes each routed expert's own weight tensors; "
+                                         r"shared-basis experts \(expert_basis_size\)"):
+        attach_qat(KimiK3ForCausalLM(tiny_config(expert_basis_size=2, routed_expert_hidden_size=32,
+                                                 moe_intermediate_size=32)))
+
+
+def test_qat_trains_the_released_experts_of_the_routing_variants(ids):
+    model = KimiK3ForCausalLM(tiny_config(dynamic_experts_per_token=True, routed_expert_hidden_size=32,
+                                          moe_intermediate_size=32))
+    handle = attach_qat(model)
+    assert len(handle.experts) == model.config.mlp_layer_types.count("sparse")
+    model(ids, labels=ids).loss.backward()
+    assert model.model.layers[1].block_sparse_moe.experts.gate_up_proj.grad.abs().max() > 0
