@@ -115,8 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                                 data_args.max_eval_samples)}
             optimizer_cls_and_kwargs, callbacks = optimizer_and_callbacks(model_args, training_args, model, qk_clip_tau)
             callbacks.append(TrainingClock(start))
-            trainer = build_trainer(model, tokenizer, blocks, training_args, optimizer_cls_and_kwargs, callbacks)
-            trainer.run_settings = settings
+            trainer = build_trainer(model, tokenizer, blocks, training_args, optimizer_cls_and_kwargs, callbacks, settings)
         except ValueError as error:
             print(f"kimi-k3-train: error: {error}", file=sys.stderr)
             return 2
@@ -312,13 +311,15 @@ def optimizer_and_callbacks(model_args: ModelArguments, training_args: TrainingA
     return optimizer_cls_and_kwargs, callbacks
 
 
-def build_trainer(model, tokenizer, blocks, training_args, optimizer_cls_and_kwargs, callbacks) -> KimiK3Trainer:
+def build_trainer(model, tokenizer, blocks, training_args, optimizer_cls_and_kwargs, callbacks,
+                  settings: dict | None = None) -> KimiK3Trainer:
+    """The job's Trainer; ``settings`` (`run_settings`) go into every checkpoint, for a resume to compare."""
     train_blocks = blocks["train"]
     if isinstance(train_blocks, datasets.IterableDataset):
         # Endless, so Trainer never starts a second epoch of an unsized stream: a resume then skips its trained batches
         # within one deterministic pass and lands where the interrupted run was, however often the stream wrapped.
         train_blocks = train_blocks.repeat(None)
-    return KimiK3Trainer(
+    trainer = KimiK3Trainer(
         model=model,
         args=training_args,
         train_dataset=train_blocks,
@@ -328,3 +329,5 @@ def build_trainer(model, tokenizer, blocks, training_args, optimizer_cls_and_kwa
         optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
         callbacks=callbacks,
     )
+    trainer.run_settings = settings
+    return trainer
