@@ -60,12 +60,61 @@ def expert_block_rows(fused_name: str, fused_shape: tuple[int, ...]) -> int:
 
 def per_expert_shapes(name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
     """Checkpoint names and shapes that store the model tensor ``name``: one per expert and part for fused experts."""
-    stem, _, leaf = name.rpartition(".")
-    if not stem.endswith(".experts") or leaf not in EXPERT_LAYOUT:
+    if not _is_fused_expert(name):
         return {name: shape}
+    stem, _, leaf = name.rpartition(".")
     num_experts, _, columns = shape
     rows = expert_block_rows(leaf, shape)
     return {f"{stem}.{e}.{part}.weight": (rows, columns) for e in range(num_experts) for part in EXPERT_LAYOUT[leaf]}
+
+
+# Memory the strict check spends per checkpoint name: about 200 bytes per entry of a name -> shape dict (measured with
+# tracemalloc, CPython 3.11), and the check holds three such tables (shapes, expected, sources).
+NAME_TABLE_BYTES = 600
+
+
+def available_memory_bytes() -> int | None:
+    """What this process may still allocate: the least of the free memory (MemAvailable), the address-space limit
+    (``ulimit -v``) and the cgroup's limit; None where none of them can be read."""
+    limits = []
+    try:
+        with open("/proc/meminfo") as meminfo:
+            limits += [int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:")]
+    except OSError:
+        pass
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        limits += [soft] if soft != resource.RLIM_INFINITY else []
+    except (ImportError, OSError, ValueError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as cgroup:
+            text = cgroup.read().strip()
+        limits += [int(text)] if text.isdigit() else []
+    except OSError:
+        pass
+    return min(limits) if limits else None
+
+
+def check_name_count(shapes: dict[str, tuple[int, ...]]) -> None:
+    """Refuse, before building them, per-expert names that alone would not fit in memory (a config whose
+    ``num_experts`` is absurd would otherwise exhaust it slowly)."""
+    count = sum(len(EXPERT_LAYOUT[name.rpartition(".")[2]]) * shape[0] if _is_fused_expert(name) else 1
+                for name, shape in shapes.items())
+    needed, available = count * NAME_TABLE_BYTES, available_memory_bytes()
+    if available is not None and needed > available:
+        raise ValueError(
+            f"Refusing the config: num_experts gives {count:,} per-expert checkpoint names, about "
+            f"{needed / 2**30:,.1f} GiB to check, more than the {available / 2**30:,.1f} GiB of memory available; "
+            "check num_experts in config.json"
+        )
+
+
+def _is_fused_expert(name: str) -> bool:
+    stem, _, leaf = name.rpartition(".")
+    return stem.endswith(".experts") and leaf in EXPERT_LAYOUT
 
 
 def fuse_per_expert_weights(state_dict: dict, prefix: str, num_experts: int) -> str | None:
@@ -345,6 +394,12 @@ def released_config_dict(config) -> dict:
     }
 
 
+_SAFETENSORS_DTYPE_NAMES = {
+    torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.uint8: "U8",
+    torch.int8: "I8", torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL",
+}  # fmt: skip
+
+
 class CheckpointEntry(NamedTuple):
     path: str
     shape: tuple[int, ...]
@@ -365,8 +420,34 @@ def read_safetensors_headers(shard_files: list[str]) -> dict[str, CheckpointEntr
     return entries
 
 
+def read_torch_headers(shard_files: list[str]) -> dict[str, CheckpointEntry]:
+    """The same for ``pytorch_model.bin`` shards, read onto the meta device: names, shapes and dtypes, no data."""
+    entries = {}
+    for path in shard_files:
+        try:
+            state_dict = torch.load(path, map_location="meta", weights_only=True)
+        except Exception as error:  # torch reports a corrupt zip or pickle in many classes
+            raise ValueError(f"Checkpoint shard {path} cannot be read (truncated or corrupted?): {error}") from error
+        for name, tensor in state_dict.items():
+            dtype = _SAFETENSORS_DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))
+            entries[name] = CheckpointEntry(str(path), tuple(tensor.shape), dtype)
+    return entries
+
+
+def read_checkpoint_headers(shard_files: list[str]) -> dict[str, CheckpointEntry] | None:
+    """Every tensor of safetensors or ``.bin`` shards; None for a mix, which transformers' own loader reads."""
+    if all(str(path).endswith(".safetensors") for path in shard_files):
+        return read_safetensors_headers(shard_files)
+    if all(str(path).endswith(".bin") for path in shard_files):
+        return read_torch_headers(shard_files)
+    return None
+
+
 def read_checkpoint_tensor(entries: dict[str, CheckpointEntry], name: str) -> torch.Tensor:
-    with safe_open(entries[name].path, framework="pt") as shard:
+    path = entries[name].path
+    if path.endswith(".bin"):
+        return torch.load(path, mmap=True, weights_only=True)[name]
+    with safe_open(path, framework="pt") as shard:
         return shard.get_tensor(name)
 
 
@@ -391,15 +472,16 @@ def checkpoint_shapes(model, stored_names=()) -> dict[str, tuple[int, ...]]:
     stored_prefixed = not text_names or any(name.startswith(base_prefix) for name in text_names)
     is_base_model = model.base_model is model
     tied = set(getattr(model, "all_tied_weights_keys", {}))  # stored once, as the tensor they are tied to
+    state = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    check_name_count(state)
     shapes = {}
-    for name, tensor in model.state_dict().items():
+    for name, shape in state.items():
         if name in tied:
             continue
         if is_base_model and stored_prefixed:
             name = base_prefix + name
         elif not is_base_model and not stored_prefixed:
             name = name.removeprefix(base_prefix)
-        shape = tuple(tensor.shape)
         shapes.update({name: shape} if name in stored_names else per_expert_shapes(name, shape))
     return shapes
 
@@ -556,8 +638,8 @@ def load_checkpoint(load: Callable, model, state_dict, checkpoint_files, load_co
     """
     strict = STRICT_LOADING.get()
     entries = None
-    if state_dict is None and checkpoint_files and all(str(path).endswith(".safetensors") for path in checkpoint_files):
-        entries = read_safetensors_headers(checkpoint_files)
+    if state_dict is None and checkpoint_files:
+        entries = read_checkpoint_headers(checkpoint_files)
     released = entries is not None and is_released_layout(entries)
     if strict and entries is not None:
         verify_checkpoint_entries(model, entries, reshaped_ok=load_config.ignore_mismatched_sizes)

@@ -1,26 +1,57 @@
 """Print a continuation of a prompt from any saved Kimi K3 folder or hub repo.
 
-    python scripts/generate.py outputs/kimi-k3-small/model --prompt "The with statement"
+    python scripts/generate.py outputs/kimi-k3-small/model --trust_remote_code --prompt "The with statement"
 
-Only transformers is used: the model and configuration code come from the folder itself (trust_remote_code).
+Only transformers is used: the model and configuration code come from the folder itself, and run only with
+--trust_remote_code (read them first when the folder is not your own). A name that looks like a local path and names
+no folder here is an error, never looked up on the hub.
 """
 
 import argparse
+from pathlib import Path
 
 import torch
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="saved model folder or hub repo id")
+    parser.add_argument("--trust_remote_code", action="store_true",
+                        help="run the Python files the folder or repo ships (its model code); needed for Kimi K3")
     parser.add_argument("--prompt", default="The with statement")
     parser.add_argument("--max_new_tokens", type=int, default=60)
     parser.add_argument("--do_sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top_k", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    return parser, parser.parse_args(argv)
+
+
+def missing_local_path(name: str) -> str | None:
+    """Why ``name`` must be a local folder but is none, or None when it is a folder or reads as a hub repo id: ``NAME``
+    or ``OWNER/NAME`` (the hub's rules), with no folder ``OWNER`` here."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return None
+    if path.exists():
+        return f"{name} is a file, not a model folder"
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return f"no such folder: {name} (a local path is never looked up on the hub)"
+    owner = Path(name).parts[0]
+    if "/" in name and Path(owner).is_dir():
+        return f"no such folder: {name} (a local path is never looked up on the hub)"
+    return None
+
+
+def load(name: str, trust_remote_code: bool):
+    tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(name, trust_remote_code=trust_remote_code).eval()
+    return tokenizer, model
 
 
 def continuation(model, tokenizer, prompt: str, **generate_kwargs) -> str:
@@ -29,10 +60,31 @@ def continuation(model, tokenizer, prompt: str, **generate_kwargs) -> str:
     return tokenizer.decode(output[0], skip_special_tokens=True)
 
 
+def check_length(parser: argparse.ArgumentParser, model, tokenizer, prompt: str, max_new_tokens: int) -> None:
+    """Checked before generating: past the position limit generation would fail after its last token."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    prompt_tokens = len(tokenizer(prompt)["input_ids"])
+    if max_new_tokens < 1:
+        parser.error(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
+    if limit is not None and prompt_tokens + max_new_tokens > limit:
+        parser.error(
+            f"--max_new_tokens {max_new_tokens} plus the prompt's {prompt_tokens} tokens exceeds the model's "
+            f"max_position_embeddings ({limit}); pass --max_new_tokens {max(limit - prompt_tokens, 0)} or less"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
-    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True).eval()
+    parser, args = parse_args(argv)
+    problem = missing_local_path(args.model)
+    if problem is not None:
+        parser.error(problem)
+    try:
+        tokenizer, model = load(args.model, args.trust_remote_code)
+    except ValueError as error:
+        if "trust_remote_code" not in str(error):
+            raise
+        parser.error(f"{args.model} ships its own model code: read it, then pass --trust_remote_code to run it")
+    check_length(parser, model, tokenizer, args.prompt, args.max_new_tokens)
     decoding = {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k} if args.do_sample else {
         "do_sample": False
     }

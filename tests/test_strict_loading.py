@@ -145,3 +145,29 @@ def test_keys_to_ignore_on_load_are_honoured_as_transformers_does(base_folder, s
         _keys_to_ignore_on_load_unexpected = [r"^extra\."]
 
     ToleratesExtra.from_pretrained(folder)
+
+
+def bin_copy(saved, folder, edit):
+    """``saved`` as a ``pytorch_model.bin`` folder (the per-expert names safetensors stores), after ``edit``."""
+    tensors = load_file(saved / "model.safetensors")
+    edit(tensors)
+    folder.mkdir()
+    (folder / "config.json").write_bytes((saved / "config.json").read_bytes())
+    torch.save(tensors, folder / "pytorch_model.bin")
+    return folder
+
+
+def test_pytorch_model_bin_folders_load_as_strictly_as_safetensors(saved, tmp_path):
+    whole = bin_copy(saved, tmp_path / "whole", lambda tensors: None)
+    loaded = KimiK3ForCausalLM.from_pretrained(whole).state_dict()
+    expected = KimiK3ForCausalLM.from_pretrained(saved).state_dict()
+    assert all(torch.equal(loaded[name], expected[name]) for name in expected)
+    def spoil(tensors):
+        tensors[NORM] = torch.ones(32, dtype=torch.int32)
+        tensors["model.extra.weight"] = torch.zeros(3)
+
+    spoiled = bin_copy(saved, tmp_path / "spoiled", spoil)
+    with pytest.raises(ValueError, match="Refusing the checkpoint: 2 text tensor") as error:
+        KimiK3ForCausalLM.from_pretrained(spoiled)
+    assert f"{NORM}: stored as I32, expected a floating-point dtype" in str(error.value)
+    assert "unexpected model.extra.weight [3]" in str(error.value)

@@ -151,6 +151,16 @@ BORROWED_API = [
                 lambda: parameters(Trainer._load_from_checkpoint)[:3] == ["self", "resume_from_checkpoint", "model"]),
     BorrowedApi("Trainer._load_best_model", "the best checkpoint of a sharded model",
                 lambda: parameters(Trainer._load_best_model) == ["self"]),
+    BorrowedApi("Trainer._load_optimizer_and_scheduler", "a resumed optimizer.pt that cannot be loaded is refused in "
+                "one line naming the file", lambda: parameters(Trainer._load_optimizer_and_scheduler) == ["self", "checkpoint"]),
+    BorrowedApi("Trainer._load_rng_state", "a resumed RNG file that cannot be loaded is refused in one line naming it",
+                lambda: parameters(Trainer._load_rng_state) == ["self", "checkpoint"]),
+    BorrowedApi("transformers.trainer (OPTIMIZER_NAME, OPTIMIZER_NAME_BIN, SCHEDULER_NAME, TRAINER_STATE_NAME)",
+                "the file names Trainer resumes from, which a resume checks are all there before training",
+                module_has("transformers.trainer", "OPTIMIZER_NAME", "OPTIMIZER_NAME_BIN", "SCHEDULER_NAME",
+                           "TRAINER_STATE_NAME")),
+    BorrowedApi("transformers.trainer_pt_utils.safe_globals", "loads a resumed RNG state (numpy objects) the way "
+                "Trainer does, to check it before training", module_has("transformers.trainer_pt_utils", "safe_globals")),
     # DTensor's strided shard: transformers lays out the experts under expert parallelism (and packed gate/up rows
     # under tensor parallelism) with it, and only torch's own method says which indices each rank then holds.
     BorrowedApi(

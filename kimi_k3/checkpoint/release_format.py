@@ -14,8 +14,11 @@ import copy
 import json
 import math
 import shutil
+import sys
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 
 import torch
@@ -48,6 +51,7 @@ __all__ = ["DEFAULT_MAX_SHARD_BYTES", "check_exportable", "export_released", "im
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 SAFE_WEIGHTS_NAME = "model.safetensors"
+CONVERSION_LOCK_SUFFIX = ".converting.lock"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 _SAFETENSORS_DTYPES = {
     "BF16": torch.bfloat16,
@@ -126,18 +130,36 @@ def import_released(
 def _publish(source: Path, target: str | Path, write: Callable[[Path], list[str]]) -> list[str]:
     """Write the converted folder under a unique hidden name beside ``target``, with the code files that let it load
     through ``trust_remote_code``, then rename it into place: a failed conversion leaves no partial ``target``."""
-    target = _absent_or_empty(Path(target))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.with_name(run_folder.staging_name(target.name, run_folder.new_tag()))
-    staging.mkdir()
-    try:
-        shards = write(staging)
-        custom_object_save(KimiK3ForCausalLM, staging)  # the model file and the files it imports relatively
-        _copy_auxiliary_files(source, staging)
-        run_folder.replace_folder(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    target = Path(target).absolute()
+    with _conversion_lock(target):
+        _absent_or_empty(target)
+        removed = run_folder.remove_stale_staging(target)
+        if removed:
+            print(f"removed {', '.join(removed)}, left beside {target} by a killed conversion", file=sys.stderr)
+        staging = target.with_name(run_folder.staging_name(target.name, run_folder.new_tag()))
+        staging.mkdir()
+        try:
+            shards = write(staging)
+            custom_object_save(KimiK3ForCausalLM, staging)  # the model file and the files it imports relatively
+            _copy_auxiliary_files(source, staging)
+            run_folder.replace_folder(staging, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return shards
+
+
+@contextmanager
+def _conversion_lock(target: Path):
+    """One conversion at a time into ``target``: a second one would replace the first one's finished folder."""
+    lock = run_folder.OutputFolderLock(target.parent, f".{target.name}{CONVERSION_LOCK_SUFFIX}")
+    try:
+        lock.acquire()
+    except run_folder.FolderBusyError:
+        raise ValueError(f"another conversion is writing {target}; wait for it, or choose another target") from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -331,8 +353,14 @@ def _absent_or_empty(folder: Path) -> Path:
 
 
 def _copy_auxiliary_files(source: Path, target: Path) -> None:
-    """Tokenizer, generation config, card: everything but weights, configs and code (each layout has its own)."""
-    for path in source.iterdir():
+    """Tokenizer, generation config, card: everything but weights, configs and code (each layout has its own), and
+    never a checkpoint's Trainer state (optimizer moments, pickles), which is named once instead."""
+    left_out = []
+    for path in sorted(source.iterdir()):
         skipped = path.name in ("config.json", SAFE_WEIGHTS_INDEX_NAME) or path.suffix in (".safetensors", ".py")
-        if path.is_file() and not skipped:
+        if any(fnmatch(path.name, pattern) for pattern in run_folder.TRAINER_STATE_PATTERNS):
+            left_out.append(path.name)
+        elif path.is_file() and not skipped:
             shutil.copy2(path, target / path.name)
+    if left_out:
+        print(f"not converted (Trainer state, not part of the model): {', '.join(left_out)}", file=sys.stderr)

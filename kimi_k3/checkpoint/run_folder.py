@@ -10,14 +10,20 @@ import errno
 import fcntl
 import json
 import os
+import resource
 import shutil
 import socket
+import stat
+import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
 
 LOCK_NAME = ".kimi-k3.lock"
+# Trainer state a checkpoint folder holds besides the model; none of it belongs in a published or converted model.
+TRAINER_STATE_PATTERNS = ["optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state*.pth", "trainer_state.json",
+                          "training_args.bin", "batch_size.json", "run_settings.json"]
 STAGING_PREFIX = ".staging-"
 REPLACED_SUFFIX = ".replaced"
 
@@ -37,9 +43,9 @@ class OutputFolderLock:
     """Exclusive, non-blocking lock of ``folder`` for the life of one job. ``release`` removes the lock file, and the
     folder too when the lock created it and nothing else was written (a job stopped by bad input leaves no trace)."""
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, name: str = LOCK_NAME):
         self.folder = Path(folder)
-        self.path = self.folder / LOCK_NAME
+        self.path = self.folder / name
         self._fd: int | None = None
         self._created: list[Path] = []
 
@@ -48,7 +54,7 @@ class OutputFolderLock:
         self._created = missing[: next(i for i, path in enumerate(missing) if path.exists())]
         self.folder.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_lock_file(self.path)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -67,7 +73,11 @@ class OutputFolderLock:
     def release(self) -> None:
         if self._fd is None:
             return
-        self.path.unlink(missing_ok=True)  # while still locked, so no other job can have locked this file
+        try:
+            self.path.unlink(missing_ok=True)  # while still locked, so no other job can have locked this file
+        except OSError as error:  # the folder became read-only: the kernel still drops the lock at close
+            print(f"kimi-k3-train: warning: could not remove {self.path} ({os.strerror(error.errno)}); the next job "
+                  "takes it over", file=sys.stderr)
         os.close(self._fd)
         self._fd = None
         for folder in self._created:
@@ -81,6 +91,39 @@ class OutputFolderLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def open_lock_file(path: Path) -> int:
+    """Open (or create) the lock file itself, never the target of a link planted in its place: its content is
+    overwritten with this job's pid record."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as error:
+        if error.errno != errno.ELOOP:
+            raise
+        raise FolderNotWritableError(planted_link_message(path)) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise FolderNotWritableError(f"--output_dir {path.parent}: {path.name} is not a regular file; remove it")
+    return fd
+
+
+def planted_link_message(path: Path) -> str:
+    return (
+        f"--output_dir {path.parent}: {path.name} is a symbolic link (to {os.readlink(path)}); the job never writes "
+        "through a link: remove it"
+    )
+
+
+def write_new_file(path: Path, content: bytes) -> None:
+    """Write ``content`` into a file that did not exist: no link planted at ``path`` is followed, nothing is
+    overwritten."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    except FileExistsError:
+        raise FolderNotWritableError(f"{path} already exists (a file or a link another process put there)") from None
+    with os.fdopen(fd, "wb") as file:
+        file.write(content)
 
 
 def read_holder(path: Path) -> str:
@@ -196,9 +239,29 @@ def recover_replacements(folder: Path) -> list[str]:
     return restored
 
 
+def remove_stale_staging(target: Path) -> list[str]:
+    """Remove the staging folders of ``target`` that killed writers left beside it; only the holder of ``target``'s
+    lock may call this. Returns their names."""
+    stale = sorted(path for path in target.parent.glob(f"{STAGING_PREFIX}{target.name}-*")
+                   if path.is_dir() and len(path.name) == len(staging_name(target.name, new_tag())))
+    for path in stale:
+        shutil.rmtree(path)
+    return [path.name for path in stale]
+
+
+def size_limit_reached(error: BaseException) -> bool:
+    """EFBIG, or a writer's out-of-room report while a file size limit (``ulimit -f``) is set: the disk may have room."""
+    if isinstance(error, OSError) and error.errno == errno.EFBIG:
+        return True
+    return _writer_out_of_room(str(error)) and resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY
+
+
+def _writer_out_of_room(text: str) -> bool:
+    return "unexpected pos" in text or "file write failed" in text
+
+
 def is_disk_full(error: BaseException) -> bool:
     """ENOSPC/EDQUOT, also when a writer (torch.save's zip writer, safetensors) reports it in its own words."""
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
-    text = str(error)
-    return "No space left" in text or "unexpected pos" in text or "file write failed" in text
+    return "No space left" in str(error) or _writer_out_of_room(str(error))

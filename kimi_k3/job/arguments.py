@@ -3,6 +3,7 @@ checks that stop a run with one line naming the flag before anything is written.
 
 import difflib
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from kimi_k3.optim.precision import PRECISION_CHOICES
 from kimi_k3.policies.expert_merging import check_merging_arguments
 from kimi_k3.policies.qk_clip import check_tau
 from kimi_k3.publishing import hub
-from kimi_k3.publishing.model_card import card_metadata, hub_repo_id
+from kimi_k3.publishing.model_card import card_metadata, hub_repo_id, is_repo_id
 from kimi_k3.quantization.qat import ACTIVATION_FORMATS, WEIGHT_FORMATS
 from kimi_k3.text.corpus import PACKING_MODES, STREAM_EVAL_BLOCKS, STREAM_TOKENIZER_DOCUMENTS, DataError
 
@@ -120,6 +121,11 @@ class ModelArguments:
         metadata={"help": "Layout of the final model/ folder: ours (save_pretrained, fp32 master weights) or released "
                           "(MXFP4 experts, what a --qat run evaluated).",
                   "choices": FINAL_LAYOUTS},
+    )
+    reinitialize_missing_trainer_state: bool = field(
+        default=False,
+        metadata={"help": "Resume a checkpoint that lacks optimizer.pt, scheduler.pt or its RNG state, starting them "
+                          "afresh (with a warning); without it such a checkpoint is refused."},
     )
     expert_merging_every_n_steps: int = field(
         default=0,
@@ -259,6 +265,24 @@ def check_batch_sizes(training_args: TrainingArguments) -> None:
             raise UsageError(f"--{name} must be >= 1, got {value}")
 
 
+def check_local_sources(model_args: ModelArguments) -> None:
+    """A model or tokenizer argument that reads as a local path must exist: it is never fetched from the hub under
+    that name. A hub id is ``NAME`` or ``OWNER/NAME`` with no folder ``OWNER`` here."""
+    for flag in ("model_name_or_path", "tokenizer_name_or_path"):
+        value = getattr(model_args, flag)
+        if value is None or Path(value).expanduser().exists():
+            continue
+        if not is_repo_id(value) or ("/" in value and Path(Path(value).parts[0]).is_dir()):
+            raise UsageError(f"--{flag} {value}: no such folder (a local path is never looked up on the hub)")
+
+
+def check_learning_rate(training_args: TrainingArguments) -> None:
+    """A NaN or infinite rate would train into non-finite weights from the first step."""
+    rate = training_args.learning_rate
+    if not math.isfinite(rate) or rate < 0:
+        raise UsageError(f"--learning_rate must be a finite number >= 0, got {rate}")
+
+
 def check_data_limits(data_args: DataArguments, training_args: TrainingArguments) -> None:
     """A stream has no length to count epochs in, and --max_eval_samples bounds a non-empty evaluation."""
     if data_args.streaming and training_args.max_steps <= 0:
@@ -293,11 +317,22 @@ def publish_settings(training_args: TrainingArguments) -> Publish | None:
     """
     if not (training_args.push_to_hub or training_args.hub_model_id):
         return None
-    token = hub.resolve_token(training_args.hub_token)
     repo_id = training_args.hub_model_id or Path(training_args.output_dir).name
+    check_repo_id(repo_id, named=training_args.hub_model_id is not None)
+    token = hub.resolve_token(training_args.hub_token)
     hub.check_token(token, repo_id)
     training_args.push_to_hub = False
     return Publish(repo_id, token, training_args.hub_revision, training_args.hub_private_repo)
+
+
+def check_repo_id(repo_id: str, named: bool) -> None:
+    """Checked before training: the hub would refuse the push only after the run."""
+    if not is_repo_id(repo_id):
+        source = f"--hub_model_id {repo_id!r}" if named else f"--push_to_hub: the name of --output_dir, {repo_id!r},"
+        raise UsageError(
+            f"{source} is not a hub repository id (NAME or OWNER/NAME of letters, digits, '-', '_' and '.', at most "
+            "96 characters, no '--' or '..'); pass a valid --hub_model_id"
+        )
 
 
 def card_settings(card_args: CardArguments, model_args: ModelArguments, data_args: DataArguments) -> dict[str, object]:

@@ -151,7 +151,7 @@ def save_final_model(model, tokenizer, card, target: Path, tag: str | None = Non
         tokenizer.save_pretrained(staging)
         card.save(staging / "README.md")
         for name, content in (files or {}).items():
-            (staging / name).write_bytes(content)
+            run_folder.write_new_file(staging / name, content)
         if layout == "released":
             export_released(staging, released, progress=False)
         run_folder.replace_folder(released if layout == "released" else staging, target)
@@ -198,5 +198,5 @@ def expert_load_picture(trainer: Trainer, title: str) -> bytes | None:
 
 def write_file_atomically(path: Path, content: bytes, tag: str) -> None:
     staged = path.with_name(run_folder.staging_name(path.name, tag))
-    staged.write_bytes(content)
+    run_folder.write_new_file(staged, content)
     os.replace(staged, path)

@@ -18,6 +18,7 @@ from transformers import TrainerState, TrainingArguments, default_data_collator,
 from configuration_kimi_k3 import KimiK3Config
 from kimi_k3.attachments.seams import find_routed_experts, find_routers
 from kimi_k3.checkpoint import run_folder
+from kimi_k3.checkpoint.finite import first_non_finite
 from kimi_k3.checkpoint.release_format import check_exportable
 from kimi_k3.job import expert_load
 from kimi_k3.job.arguments import (
@@ -28,6 +29,8 @@ from kimi_k3.job.arguments import (
     check_block_size,
     check_expert_merging,
     check_data_limits,
+    check_learning_rate,
+    check_local_sources,
     check_world_size,
     config_overrides,
     parse_args,
@@ -36,6 +39,7 @@ from kimi_k3.job.arguments import (
     resolve_checkpoint,
 )
 from kimi_k3.job.expert_load import ExpertLoadRecorder
+from kimi_k3.job.health import TrainingDiverged, TrainingHealthCallback, check_finite_metric, check_finite_weights
 from kimi_k3.job.launch import announce_parallelism
 from kimi_k3.job.final_save import (
     FINAL_MODEL_DIR,
@@ -49,6 +53,9 @@ from kimi_k3.job.final_save import (
     weights_as_evaluated,
     write_file_atomically,
 )
+from kimi_k3.job.resources import check_model_fits_memory
+from kimi_k3.job.resume_manifest import CheckpointFileError, check_trainer_files, first_line
+from kimi_k3.job.run_settings import check_unchanged, run_settings
 from kimi_k3.job.resumable import ResumableCallback, TrainingClock
 from kimi_k3.job.trainer import KimiK3Trainer, SaveError, check_resumable, finished_step
 from kimi_k3.kernels.fused_situ import use_fused_situ
@@ -75,17 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             model_args, data_args, card_args, training_args = parse_args(argv)
-            check_batch_sizes(training_args)
-            check_expert_merging(model_args)
-            check_data_limits(data_args, training_args)
-            check_world_size(training_args)
-            warn_if_bf16_is_emulated(training_args.bf16, training_args.device)
+            check_options(model_args, data_args, training_args)
             qk_clip_tau = parse_qk_clip_tau(model_args.qk_clip_tau)
             run_folder.check_writable(training_args.output_dir)
             publish = publish_settings(training_args)
             metadata = card_settings(card_args, model_args, data_args)
             lock = claim_output_folder(training_args)
             checkpoint = resolve_checkpoint(training_args)
+            if checkpoint is not None:
+                check_trainer_files(checkpoint, training_args, model_args.reinitialize_missing_trainer_state)
             set_seed(training_args.seed)  # Trainer seeds only in its constructor, after the model is initialised
 
             splits, data_description = load_corpus(
@@ -97,29 +102,43 @@ def main(argv: list[str] | None = None) -> int:
             model = build_model(model_args, tokenizer, checkpoint, qk_clip_tau)
             attach_expert_qat(model_args, model)
             check_block_size(data_args.block_size, model.config)
+            settings = run_settings(model_args, data_args, training_args)
             if checkpoint is not None:
                 check_resumable(model, checkpoint, training_args)
+                check_unchanged(checkpoint, settings, model.config)
             blocks = tokenize_into_blocks(splits, tokenizer, data_args.block_size, data_args.packing)
             blocks = {"train": blocks["train"], "validation": evaluation_blocks(blocks["validation"],
                                                                                 data_args.max_eval_samples)}
             optimizer_cls_and_kwargs, callbacks = optimizer_and_callbacks(model_args, training_args, model, qk_clip_tau)
             callbacks.append(TrainingClock(start))
-            trainer = build_trainer(model, tokenizer, blocks, training_args, optimizer_cls_and_kwargs, callbacks)
+            trainer = build_trainer(model, tokenizer, blocks, training_args, optimizer_cls_and_kwargs, callbacks,
+                                    settings)
             announce_parallelism(trainer)
         except ValueError as error:
             print(f"kimi-k3-train: error: {error}", file=sys.stderr)
             return 2
         try:
             return run(trainer, model_args, data_args, blocks, data_description, checkpoint, publish, metadata)
-        except DataError as error:  # a stream is checked as it is read
+        except (DataError, CheckpointFileError) as error:  # a stream is checked as it is read, Trainer state as loaded
             print(f"kimi-k3-train: error: {error}", file=sys.stderr)
             return 2
-        except SaveError as error:
+        except (SaveError, TrainingDiverged) as error:
             print(f"kimi-k3-train: error: {error}", file=sys.stderr)
             return 1
     finally:
         if lock is not None:  # also removes the folder when it was created here and nothing was written
             lock.release()
+
+
+def check_options(model_args, data_args, training_args) -> None:
+    """The checks of the options alone, before anything is read or written."""
+    check_batch_sizes(training_args)
+    check_learning_rate(training_args)
+    check_local_sources(model_args)
+    check_expert_merging(model_args)
+    check_data_limits(data_args, training_args)
+    check_world_size(training_args)
+    warn_if_bf16_is_emulated(training_args.bf16, training_args.device)
 
 
 def evaluation_at_last_step(state: TrainerState) -> dict[str, float] | None:
@@ -148,8 +167,10 @@ def run(trainer, model_args, data_args, blocks, data_description, checkpoint, pu
             if isinstance(callback, ResumableCallback):
                 callback.resume_from(trainer.state)
     eval_metrics = evaluation_at_last_step(trainer.state) or trainer.evaluate()
+    check_finite_metric(eval_metrics, "eval_loss")
     if not trainer.is_world_process_zero():
         return 0
+    check_finite_weights(trainer.model.named_parameters(), str(model_dir))
 
     layer_balance = measure_expert_load(trainer.model, blocks["validation"], training_args.per_device_eval_batch_size)
     summary = training_summary(trainer, model_args, data_description, blocks, data_args.block_size, eval_metrics,
@@ -212,19 +233,13 @@ def build_model(model_args: ModelArguments, tokenizer, checkpoint: str | None,
 
     A resumed model gets its weights from Trainer's checkpoint loading, together with the optimizer state.
     """
-    overrides = config_overrides(model_args.config_overrides)
-    if checkpoint is not None:
-        model = KimiK3ForCausalLM(KimiK3Config.from_pretrained(checkpoint, **overrides))
-    elif model_args.model_name_or_path is not None:
-        model = KimiK3ForCausalLM.from_pretrained(model_args.model_name_or_path, **overrides)
+    config, source = model_config(model_args, tokenizer, checkpoint)
+    check_model_fits_memory(config, source)
+    if checkpoint is None and model_args.model_name_or_path is not None:
+        model = KimiK3ForCausalLM.from_pretrained(model_args.model_name_or_path, config=config)
+        refuse_non_finite_base_model(model, model_args.model_name_or_path)
     else:
-        token_ids = {
-            "vocab_size": len(tokenizer),
-            "pad_token_id": tokenizer.pad_token_id,
-            "bos_token_id": tokenizer.bos_token_id,
-            "eos_token_id": tokenizer.eos_token_id,
-        }
-        model = KimiK3ForCausalLM(KimiK3Config(**{**token_ids, **overrides}))
+        model = KimiK3ForCausalLM(config)
     check_tokenizer_fits(tokenizer, model.config)
     if model_args.fused_situ:
         use_fused_situ(model)
@@ -234,6 +249,38 @@ def build_model(model_args: ModelArguments, tokenizer, checkpoint: str | None,
             "(full_attention) layer; pass --qk_clip_tau none"
         )
     return model
+
+
+def model_config(model_args: ModelArguments, tokenizer, checkpoint: str | None) -> tuple[KimiK3Config, str]:
+    """The model's config with --config_overrides applied, and the flag it came from."""
+    overrides = config_overrides(model_args.config_overrides)
+    for flag, folder in (("--resume_from_checkpoint", checkpoint), ("--model_name_or_path", model_args.model_name_or_path)):
+        if folder is not None:
+            return read_config(folder, flag, overrides), f"{flag} {folder}"
+    token_ids = {
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+    return KimiK3Config(**{**token_ids, **overrides}), "--config_overrides"
+
+
+def read_config(folder: str, flag: str, overrides: dict) -> KimiK3Config:
+    """transformers reports an unreadable or missing config.json as an ``OSError``; say it in one line."""
+    try:
+        return KimiK3Config.from_pretrained(folder, **overrides)
+    except OSError as error:
+        raise UsageError(f"{flag} {folder}: {first_line(error)}") from None
+
+
+def refuse_non_finite_base_model(model: KimiK3ForCausalLM, name_or_path: str) -> None:
+    found = first_non_finite(model.named_parameters())
+    if found is not None:
+        raise UsageError(
+            f"--model_name_or_path {name_or_path}: its tensor {found[0]} holds {found[1]} non-finite value(s) (NaN or "
+            "infinity); fine-tune from a folder saved before that model diverged"
+        )
 
 
 def attach_expert_qat(model_args: ModelArguments, model: KimiK3ForCausalLM) -> None:
@@ -257,7 +304,7 @@ def optimizer_and_callbacks(model_args: ModelArguments, training_args: TrainingA
     optimizer_cls_and_kwargs = None
     if model_args.optimizer == "per_head_muon":
         optimizer_cls_and_kwargs = PerHeadMuonFactory.from_training_args(training_args, ns_dtype=model_args.muon_ns_dtype)
-    callbacks = []
+    callbacks = [TrainingHealthCallback()]
     if qk_clip_tau is not None:
         callbacks.append(QKClipCallback(qk_clip_tau))
     if find_routers(model):
@@ -274,13 +321,15 @@ def optimizer_and_callbacks(model_args: ModelArguments, training_args: TrainingA
     return optimizer_cls_and_kwargs, callbacks
 
 
-def build_trainer(model, tokenizer, blocks, training_args, optimizer_cls_and_kwargs, callbacks) -> KimiK3Trainer:
+def build_trainer(model, tokenizer, blocks, training_args, optimizer_cls_and_kwargs, callbacks,
+                  settings: dict | None = None) -> KimiK3Trainer:
+    """The job's Trainer; ``settings`` (`run_settings`) go into every checkpoint, for a resume to compare."""
     train_blocks = blocks["train"]
     if isinstance(train_blocks, datasets.IterableDataset):
         # Endless, so Trainer never starts a second epoch of an unsized stream: a resume then skips its trained batches
         # within one deterministic pass and lands where the interrupted run was, however often the stream wrapped.
         train_blocks = train_blocks.repeat(None)
-    return KimiK3Trainer(
+    trainer = KimiK3Trainer(
         model=model,
         args=training_args,
         train_dataset=train_blocks,
@@ -290,3 +339,5 @@ def build_trainer(model, tokenizer, blocks, training_args, optimizer_cls_and_kwa
         optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
         callbacks=callbacks,
     )
+    trainer.run_settings = settings
+    return trainer

@@ -5,15 +5,22 @@ import json
 import math
 import shutil
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
-from accelerate.utils import broadcast_object_list
+import torch
+from accelerate.utils import broadcast_object_list, reduce
 from transformers import Trainer, TrainingArguments
+from transformers.trainer import OPTIMIZER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from checkpoint_format_kimi_k3 import verify_checkpoint_files
 from kimi_k3.checkpoint import run_folder
 from kimi_k3.checkpoint.release_format import checkpoint_shard_files
+from kimi_k3.checkpoint.finite import check_finite_files, first_non_finite
+from kimi_k3.job.health import TrainingDiverged, non_finite_weight_message
+from kimi_k3.job.run_settings import RUN_SETTINGS_FILE, encoded
+from kimi_k3.job.resume_manifest import CheckpointFileError, first_line, rng_state_names
 from kimi_k3.parallel.sharding import load_full_state_dict
 from kimi_k3.policies.callback import report_after_every_callback
 
@@ -30,6 +37,8 @@ class KimiK3Trainer(Trainer):
     evaluations report perplexity."""
 
     _staging_run_dir: Path | None = None
+    # What `kimi_k3.job.run_settings.check_unchanged` compares a resume with; the job sets it.
+    run_settings: dict | None = None
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -55,6 +64,7 @@ class KimiK3Trainer(Trainer):
         """
         run_dir = Path(super()._get_output_dir(trial))
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        self._check_finite_weights(name)
         staging = run_dir / run_folder.staging_name(name, self.staging_tag)
         if self.args.should_save:
             shutil.rmtree(staging, ignore_errors=True)
@@ -65,6 +75,7 @@ class KimiK3Trainer(Trainer):
             self.accelerator.wait_for_everyone()
             if self.args.should_save:
                 write_batch_size(self.args, staging / name / BATCH_FILE)
+                self._write_run_settings(staging / name)
                 self._publish_checkpoint(staging / name, run_dir / name)
         except Exception as error:
             raise SaveError(save_failure(name, run_dir, error)) from error
@@ -72,6 +83,19 @@ class KimiK3Trainer(Trainer):
             self._staging_run_dir = None
             if self.args.should_save:
                 shutil.rmtree(staging, ignore_errors=True)
+
+    def _check_finite_weights(self, checkpoint_name: str) -> None:
+        """Every process stops together: under FSDP each checks its own shard, and one process's NaN stops all."""
+        found = first_non_finite(self.model.named_parameters())
+        flags = reduce(torch.tensor([float(found is not None)], device=self.args.device), reduction="sum")
+        if found is None and float(flags.sum()) > 0:
+            found = ("a weight on another process", "some")
+        if found is not None:
+            raise TrainingDiverged(non_finite_weight_message(*found, checkpoint_name))
+
+    def _write_run_settings(self, checkpoint: Path) -> None:
+        if self.run_settings is not None:
+            run_folder.write_new_file(checkpoint / RUN_SETTINGS_FILE, encoded(self.run_settings))
 
     def _publish_checkpoint(self, staged: Path, target: Path) -> None:
         best = self.state.best_model_checkpoint
@@ -86,6 +110,15 @@ class KimiK3Trainer(Trainer):
             best_model_checkpoint=self.state.best_model_checkpoint,
             use_mtime=True,
         )
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Scheduler and RNG files were loaded once by `check_trainer_files`; what fails here is the optimizer's."""
+        with failure_names_file(checkpoint, OPTIMIZER_NAME):
+            super()._load_optimizer_and_scheduler(checkpoint)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        with failure_names_file(checkpoint, rng_state_names(self.args)[self.args.process_index]):
+            super()._load_rng_state(checkpoint)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """Refuse a checkpoint that does not hold exactly the model's tensors (`from_pretrained`'s own check): Trainer
@@ -112,18 +145,33 @@ class KimiK3Trainer(Trainer):
         load_full_state_dict(self.model, saved.state_dict())
 
 
+@contextmanager
+def failure_names_file(checkpoint: str | None, name: str):
+    """Loading Trainer state from ``checkpoint`` fails as one `CheckpointFileError` naming the file."""
+    try:
+        yield
+    except Exception as error:
+        raise CheckpointFileError(
+            f"{Path(checkpoint) / name} cannot be loaded into this run (corrupt, truncated, or saved by another "
+            f"optimizer?): {first_line(error)}"
+        ) from error
+
+
 def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else math.inf
 
 
 def save_failure(name: str, folder: Path, error: BaseException) -> str:
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    full = " (the disk is full)" if run_folder.is_disk_full(error) else ""
+    if run_folder.size_limit_reached(error):
+        full = " (the file size limit, ulimit -f, was reached)"
+    else:
+        full = " (the disk is full)" if run_folder.is_disk_full(error) else ""
     return f"saving {name} in {folder} failed{full}: {reason}; nothing partial was published"
 
 
 def write_batch_size(args: TrainingArguments, path: Path) -> None:
-    path.write_text(json.dumps(batch_size(args)) + "\n")
+    run_folder.write_new_file(path, (json.dumps(batch_size(args)) + "\n").encode())
 
 
 def batch_size(args: TrainingArguments) -> dict[str, int]:
@@ -137,12 +185,19 @@ def batch_size(args: TrainingArguments) -> dict[str, int]:
 
 
 def check_resumable(model, checkpoint: str, training_args: TrainingArguments) -> None:
-    """The checkpoint must hold exactly the model's tensors; a changed global batch is allowed but announced."""
-    verify_checkpoint_files(model, checkpoint_shard_files(Path(checkpoint)))
+    """The checkpoint must hold exactly the model's tensors, all finite; a changed global batch is allowed but
+    announced."""
+    shard_files = checkpoint_shard_files(Path(checkpoint))
+    verify_checkpoint_files(model, shard_files)
+    check_finite_files(shard_files, f"--resume_from_checkpoint {checkpoint}")
     saved = Path(checkpoint) / BATCH_FILE
     if not saved.is_file():
         return
-    old, new = json.loads(saved.read_text()), batch_size(training_args)
+    try:
+        old = json.loads(saved.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointFileError(f"{saved} cannot be read: {first_line(error)}") from None
+    new = batch_size(training_args)
     if old["global"] != new["global"]:
         print(
             f"kimi-k3-train: warning: resuming {checkpoint} with global batch {new['global']} "

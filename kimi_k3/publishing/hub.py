@@ -13,11 +13,13 @@ from huggingface_hub import HfApi, ModelCard, constants, get_session, get_token
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 from transformers.dynamic_module_utils import get_relative_imports
 
+from kimi_k3.checkpoint import run_folder
+from kimi_k3.checkpoint.finite import check_finite_files
+from kimi_k3.checkpoint.release_format import checkpoint_shard_files
 from kimi_k3.publishing.model_card import is_our_card, metadata_problems
 
-# Trainer state a checkpoint folder holds besides the model; none of it belongs in a published model.
-TRAINING_STATE_PATTERNS = ["optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state*.pth", "trainer_state.json",
-                           "training_args.bin", "batch_size.json", ".*"]
+# Trainer state and hidden files (staging folders, the job's lock) never belong in a published model.
+TRAINING_STATE_PATTERNS = [*run_folder.TRAINER_STATE_PATTERNS, ".*"]
 REQUIRED_FILES = (
     "config.json", "checkpoint_format_kimi_k3.py", "configuration_kimi_k3.py", "modeling_kimi_k3.py", "tokenizer.json"
 )
@@ -74,9 +76,18 @@ def check_model_files(folder: Path) -> None:
         raise HubError(f"{folder} is not a complete Kimi K3 model folder; missing {missing}")
 
 
+def check_finite_weights(folder: Path) -> None:
+    """A diverged model is never published."""
+    try:
+        check_finite_files(checkpoint_shard_files(folder), str(folder))
+    except ValueError as error:
+        raise HubError(str(error)) from None
+
+
 def check_publishable(folder: Path) -> None:
     """A published folder must reload with trust_remote_code and carry our card, with metadata the hub accepts."""
     check_model_files(folder)
+    check_finite_weights(folder)
     readme = folder / "README.md"
     if not is_our_card(readme):
         raise HubError(f"{readme} is missing or is not a Kimi K3 model card (no 'kimi_k3' tag)")

@@ -15,6 +15,7 @@ connection) ends with one line naming the cause and the fix, exit status 2.
 
 import argparse
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from kimi_k3.command_line import command_arguments, respelled
@@ -55,6 +56,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(respelled(command_arguments(argv), RENAMED_OPTIONS, PROG))
 
 
+def prepare_card(readme: Path, repo_id: str, license_fields: dict) -> None:
+    """Our card, named for ``repo_id``: written for a folder without one, renamed (and relicensed) if ours."""
+    if not readme.exists():
+        card_for_folder(readme.parent, repo_id, license_fields).save(readme)
+        print(f"wrote a model card to {readme}")
+    elif is_our_card(readme):
+        name_card_for_repo(readme, repo_id)
+        if license_fields:
+            set_license(readme, license_fields)
+            print(f"set the license of {readme} to {license_fields['license']}")
+
+
+@contextmanager
+def restored_on_failure(path: Path):
+    """A failed push leaves ``path`` as it was: the card keeps naming the repository it was last published to."""
+    before = path.read_bytes() if path.exists() else None
+    try:
+        yield
+    except BaseException:
+        if before is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_bytes(before)
+        raise
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -63,18 +90,13 @@ def main(argv: list[str] | None = None) -> int:
         api = hub.HfApi(token=hub.resolve_token(args.hub_token))
         hub.check_model_files(args.folder)
         readme = args.folder / "README.md"
-        if not readme.exists():
-            card_for_folder(args.folder, args.hub_model_id, license_fields).save(readme)
-            print(f"wrote a model card to {readme}")
-        elif is_our_card(readme):
-            name_card_for_repo(readme, args.hub_model_id)
-            if license_fields:
-                set_license(readme, license_fields)
-                print(f"set the license of {readme} to {license_fields['license']}")
-        pushed = hub.push_folder(
-            args.folder, args.hub_model_id, api, private=args.hub_private_repo, commit_message=args.commit_message,
-            revision=args.hub_revision, create_pr=args.create_pr, timeout=args.timeout,
-        )  # fmt: skip
+        with restored_on_failure(readme):
+            prepare_card(readme, args.hub_model_id, license_fields)
+            pushed = hub.push_folder(
+                args.folder, args.hub_model_id, api, private=args.hub_private_repo,
+                commit_message=args.commit_message, revision=args.hub_revision, create_pr=args.create_pr,
+                timeout=args.timeout,
+            )  # fmt: skip
     except ValueError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2

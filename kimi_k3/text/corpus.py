@@ -194,7 +194,7 @@ def expand_data_files(patterns: list[str]) -> list[str]:
     """The files named or matched (glob patterns such as ``data/*.txt``, ``**`` recursing), in order, each once."""
     paths = []
     for pattern in patterns:
-        if glob.has_magic(pattern):
+        if glob.has_magic(pattern) and not Path(pattern).is_file():  # `notes [v2].txt` names itself
             matches = sorted(path for path in glob.glob(pattern, recursive=True) if Path(path).is_file())
             if not matches:
                 raise DataError(f"--data_files {pattern} matches no file")

@@ -482,6 +482,38 @@ def test_converted_folders_carry_the_code_and_reload_with_trust_remote_code_in_a
     assert result.stdout.strip().endswith("ok")
 
 
+def test_rerun_removes_staging_folders_a_killed_conversion_left_beside_the_target(representable, tmp_path, capsys):
+    stale = tmp_path / ".staging-ours-0123456789ab"
+    stale.mkdir()
+    (stale / "model-00001-of-00002.safetensors").write_bytes(b"\0" * 4096)
+    assert convert_main(["from-release", str(representable.released), str(tmp_path / "ours"), "--no_progress"]) == 0
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["ours"]
+    assert f"removed .staging-ours-0123456789ab, left beside {tmp_path / 'ours'}" in capsys.readouterr().err
+
+
+def test_second_simultaneous_conversion_into_one_target_is_refused(representable, tmp_path, capsys):
+    from kimi_k3.checkpoint import run_folder
+
+    with run_folder.OutputFolderLock(tmp_path, ".ours.converting.lock"):
+        assert convert_main(["from-release", str(representable.released), str(tmp_path / "ours"), "--no_progress"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"kimi-k3-convert: error: another conversion is writing {tmp_path / 'ours'}; wait for it, or choose another "
+        "target"
+    )
+    assert not (tmp_path / "ours").exists()
+
+
+def test_converting_a_trainer_checkpoint_leaves_its_optimizer_state_and_pickles_behind(representable, tmp_path, capsys):
+    checkpoint = shutil.copytree(representable.ours, tmp_path / "checkpoint-8")
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin", "trainer_state.json"):
+        (checkpoint / name).write_bytes(b"state")
+    assert convert_main(["to-release", str(checkpoint), str(tmp_path / "released"), "--no_progress"]) == 0
+    written = {path.name for path in (tmp_path / "released").iterdir()}
+    assert not written & {"optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin", "trainer_state.json"}
+    assert ("not converted (Trainer state, not part of the model): optimizer.pt, rng_state.pth, scheduler.pt, "
+            "trainer_state.json, training_args.bin") in capsys.readouterr().err  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The opt-in variants (variants_kimi_k3.py)
 # ---------------------------------------------------------------------------------------------------------------------

@@ -131,7 +131,7 @@ def sampled_continuation(folder: Path) -> str:
 def generate_in_fresh_process(folder: Path, workdir: Path) -> str:
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     env.update(HF_HOME=str(workdir / "hf-fresh"), HF_HUB_OFFLINE="1")
-    args = [str(folder), "--prompt", PROMPT, *SAMPLING, str(REPO / "scripts/generate.py")]
+    args = [str(folder), "--trust_remote_code", "--prompt", PROMPT, *SAMPLING, str(REPO / "scripts/generate.py")]
     # Bytes, not text mode: universal newlines would turn a sampled "\r" before the printed newline into nothing.
     result = subprocess.run(
         [sys.executable, "-I", "-c", GENERATE_IN_FRESH_PROCESS, *args],

@@ -429,3 +429,19 @@ def test_wheel_ships_card_template_and_renders_card_outside_source_tree(tmp_path
     card = ModelCard(result.stdout)
     assert card.data.model_name == "wheel-card" and "kimi_k3" in card.data.tags
     assert "# wheel-card" in card.text and "| total |" in card.text and "## Training" not in card.text
+
+
+def test_failed_push_leaves_the_local_card_as_it_was(pushed, fake_hub, tmp_path, monkeypatch, capsys):
+    model = shutil.copytree(pushed[0] / "model", tmp_path / "model")
+    checkpoint = shutil.copytree(pushed[0] / "checkpoint-2", tmp_path / "checkpoint-2")
+    card = (model / "README.md").read_bytes()
+
+    def refused(*args, **kwargs):
+        raise hub.HubError("the hub refused the push (HTTP 500)")
+
+    monkeypatch.setattr(hub, "push_folder", refused)
+    assert push_script_main()([str(model), "--hub_model_id", "someone/attempted"]) == 2
+    assert push_script_main()([str(checkpoint), "--hub_model_id", "someone/attempted"]) == 2
+    assert (model / "README.md").read_bytes() == card
+    assert not (checkpoint / "README.md").exists()
+    assert capsys.readouterr().err.count("kimi-k3-push: error: the hub refused the push (HTTP 500)") == 2

@@ -272,3 +272,9 @@ def test_help_states_what_streaming_needs_and_how_evaluation_ends(capsys):
     assert "needs --max_steps" in help_text
     assert f"with --streaming the first {data.STREAM_EVAL_BLOCKS}, read once at the start, so that evaluation ends" in help_text
     assert "--dataset_name" in help_text and "--dataset_config_name" in help_text
+
+
+def test_a_data_file_whose_name_holds_glob_characters_names_itself(tmp_path):
+    notes = tmp_path / "notes [v2].txt"
+    notes.write_text("first document\n\nsecond document\n")
+    assert data.expand_data_files([str(notes)]) == [str(notes)]
