@@ -13,6 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from transformers.hf_argparser import string_to_bool
+
 from configuration_kimi_k3 import KimiK3Config
 from kimi_k3.command_line import command_arguments, respelled
 from kimi_k3.job.arguments import parse_qk_clip_tau
@@ -63,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     run.add_argument("--per_device_train_batch_size", type=int, default=1, help="micro-batch in sequences")
     run.add_argument("--block_size", type=int, default=4096, help="tokens per sequence")
     run.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    run.add_argument("--gradient_checkpointing", type=_boolean, default=True, help="true (default) or false")
+    run.add_argument("--gradient_checkpointing", type=string_to_bool, default=True, help="true (default) or false")
     for name, default in (("param", "fp32"), ("compute", "bf16"), ("grad", "fp32"), ("optimizer", "fp32")):
         run.add_argument(f"--{name}_dtype", default=default, choices=tuple(DTYPE_BYTES))
     run.add_argument("--muon_ns_dtype", default="bf16", type=_spelled(NS_DTYPE_SPELLINGS, "--muon_ns_dtype"),
@@ -87,14 +89,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     except ValueError as error:
         parser.error(str(error))
     return args
-
-
-def _boolean(value: str) -> bool:
-    if value.lower() in ("true", "1", "yes"):
-        return True
-    if value.lower() in ("false", "0", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
 
 
 def _spelled(spellings: dict[str, str], option: str):
