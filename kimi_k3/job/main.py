@@ -353,3 +353,7 @@ def build_trainer(model, tokenizer, blocks, training_args, optimizer_cls_and_kwa
     )
     trainer.run_settings = settings
     return trainer
+
+
+if __name__ == "__main__":
+    sys.exit(main())
