@@ -3,6 +3,7 @@
     kimi-k3-ablate --preset quick                                    # ~25 min on 2 CPU cores
     kimi-k3-ablate --preset full --output_dir ablations/full         # hours; rerun the same command to continue
     kimi-k3-ablate --preset quick --rows sign-balancing adamw --seeds 0 --max_steps 10
+    kimi-k3-ablate --preset quick --job_args '--save_steps 10'        # more kimi-k3-train options for every run
     kimi-k3-ablate --list                                            # the rows and what each changes
 
 Bad input (an unknown preset or row, a row that cannot apply to the model) stops it with one line before any run.
@@ -30,6 +31,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output_dir", help="folder of the runs and the report (default ablations/<preset>)")
     parser.add_argument("--data_files", nargs="+", help="the job's --data_files (default: its embedded corpus)")
     parser.add_argument("--config_overrides", help="JSON KimiK3Config fields over the preset's baseline model")
+    parser.add_argument("--job_args", default="",
+                        help="more kimi-k3-train options for every run, one string, e.g. '--save_steps 10'")
     parser.add_argument("--list", action="store_true", help="print the rows and presets, run nothing")
     return parser.parse_args(argv)
 
@@ -47,7 +50,7 @@ def build_matrix(args: argparse.Namespace) -> Matrix:
     baseline_config(model)
     rows, seeds, max_steps = select(preset, args.rows, args.seeds, args.max_steps)
     output_dir = Path(args.output_dir or f"ablations/{args.preset}")
-    return Matrix(preset, rows, seeds, max_steps, output_dir, model, args.data_files)
+    return Matrix(preset, rows, seeds, max_steps, output_dir, model, args.data_files, tuple(shlex.split(args.job_args)))
 
 
 def list_rows() -> None:

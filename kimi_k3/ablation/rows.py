@@ -52,7 +52,7 @@ NEEDS = {
     "latent": (lambda c: c.routed_expert_hidden_size not in (None, c.hidden_size),
                "no latent projection (routed_expert_hidden_size is the hidden size)"),
     "attn_res": (lambda c: c.attn_res_block_size is not None, "no Block Attention Residuals (attn_res_block_size)"),
-    "situ": (lambda c: c.hidden_act == "situ", "hidden_act is not situ"),
+    "situ": (lambda c: c.hidden_act == "situ", "a hidden_act other than situ"),
     "top_k_routing": (lambda c: not (c.dynamic_experts_per_token or c.num_coarse_experts
                                      or c.router_score_normalization != "none"),
                       "a routing variant in place of the top-k selection"),

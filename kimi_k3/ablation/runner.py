@@ -8,6 +8,8 @@ settings is refused before anything starts. Every run shares one tokenizer, trai
 trainer into ``OUTPUT/tokenizer``.
 """
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -21,6 +23,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from kimi_k3.ablation.measure import measure_run
 from kimi_k3.ablation.rows import AblationError, Preset, Row, check_applies, select_rows
 from kimi_k3.checkpoint import run_folder
+from kimi_k3.job.arguments import parse_args
 from kimi_k3.text.corpus import load_corpus, tokenizer_documents
 from kimi_k3.text.tokenizer import train_bpe_tokenizer
 
@@ -39,6 +42,7 @@ class Matrix:
     output_dir: Path
     model: dict
     data_files: list[str] | None
+    job_args: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,9 @@ def plan(matrix: Matrix) -> list[PlannedRun]:
         overrides = check_applies(row, matrix.model)
         for seed in matrix.seeds:
             folder = matrix.output_dir / RUNS_DIR / row.name / f"seed-{seed}"
-            runs.append(PlannedRun(row, seed, folder, tuple(job_arguments(matrix, row, overrides, seed, folder))))
+            argv = tuple(job_arguments(matrix, row, overrides, seed, folder))
+            check_job_arguments(row, argv)
+            runs.append(PlannedRun(row, seed, folder, argv))
     return runs
 
 
@@ -89,8 +95,22 @@ def job_arguments(matrix: Matrix, row: Row, overrides: dict, seed: int, folder: 
         "--output_dir", str(folder), "--seed", str(seed), "--max_steps", str(matrix.max_steps),
         "--config_overrides", json.dumps({**matrix.model, **overrides}, sort_keys=True),
         "--tokenizer_name_or_path", str(matrix.output_dir / TOKENIZER_DIR), "--block_size", str(preset.block_size),
-        *limit, *data, "--disable_tqdm", "True", "--report_to", "none", *preset.flags, *row.flags,
+        *limit, *data, "--disable_tqdm", "True", "--report_to", "none", *preset.flags, *matrix.job_args, *row.flags,
     ]  # fmt: skip
+
+
+def check_job_arguments(row: Row, argv: tuple[str, ...]) -> None:
+    """The job's own parser on a run's arguments, so that a bad option stops the matrix before its first run."""
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(printed):
+            parse_args(list(argv))
+    except SystemExit:
+        lines = printed.getvalue().strip().splitlines()
+        raise AblationError(f"row {row.name!r}: kimi-k3-train refuses its options: "
+                            f"{lines[-1] if lines else ' '.join(argv)}") from None
+    except ValueError as error:
+        raise AblationError(f"row {row.name!r}: kimi-k3-train refuses its options: {error}") from None
 
 
 def prepare_tokenizer(matrix: Matrix) -> None:
