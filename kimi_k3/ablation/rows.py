@@ -87,7 +87,7 @@ ROWS = {row.name: row for row in (
     Row("no-balancing", "balancing", "no balancing: the bias stays 0",
         flags=("--router_balancing", "none"), needs=("moe",)),
     Row("whole-matrix-muon", "optimizer", "Muon with each attention Q, K, V orthogonalised whole",
-        flags=("--optimizer", "muon")),
+        flags=("--optimizer", "whole_matrix_muon")),
     Row("adamw", "optimizer", "AdamW for every parameter", flags=("--optimizer", "adamw")),
     Row("swiglu", "activation", "SwiGLU (SiLU gate, no caps) in place of SiTU-GLU",
         overrides={"hidden_act": "silu"}, needs=("situ",)),

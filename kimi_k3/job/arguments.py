@@ -23,7 +23,7 @@ from kimi_k3.publishing.model_card import card_metadata, hub_repo_id, is_repo_id
 from kimi_k3.quantization.qat import ACTIVATION_FORMATS, WEIGHT_FORMATS
 from kimi_k3.text.corpus import PACKING_MODES, STREAM_EVAL_BLOCKS, STREAM_TOKENIZER_DOCUMENTS, DataError
 
-OPTIMIZERS = ("per_head_muon", "muon", "adamw")
+OPTIMIZERS = ("per_head_muon", "whole_matrix_muon", "adamw")
 
 # How the router bias moves between steps (`QuantileBalancing`'s update rules).
 ROUTER_BALANCING = ("quantile", "sign", "none")
@@ -85,10 +85,10 @@ class ModelArguments:
     )
     optimizer: str | None = field(
         default=None,
-        metadata={"help": "per_head_muon (Muon for matrices, AdamW for the rest; the default), muon (the same with "
-                          "each attention Q, K, V projection orthogonalised whole, not per head) or adamw (Trainer's "
-                          "own optimizer, chosen by --optim: AdamW unless --optim names another; --optim alone "
-                          "implies it).", "choices": OPTIMIZERS},
+        metadata={"help": "per_head_muon (Muon for matrices, AdamW for the rest; the default), whole_matrix_muon "
+                          "(the same with each attention Q, K, V projection orthogonalised whole, not per head) or "
+                          "adamw (Trainer's own optimizer, chosen by --optim: AdamW unless --optim names another; "
+                          "--optim alone implies it).", "choices": OPTIMIZERS},
     )
     muon_ns_dtype: str = field(
         default="auto",

@@ -96,7 +96,7 @@ def training_summary(trainer, model_args, data_description, blocks, block_size, 
 def describe_optimizer(model_args: ModelArguments, args) -> str:
     if model_args.optimizer == "per_head_muon":
         return "Per-Head Muon + AdamW"
-    if model_args.optimizer == "muon":
+    if model_args.optimizer == "whole_matrix_muon":
         return "Muon (whole attention matrices) + AdamW"
     return f"Trainer's `{args.optim.value}` (--optim)"
 

@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from kimi_k3.ablation import cli
 from kimi_k3.ablation.report import difference, mean_and_std, mean_curve
@@ -116,6 +118,10 @@ def test_matrix_writes_its_report_skips_finished_runs_and_resumes_a_killed_one_t
     assert "| `sign-balancing` | +" in report or "| `sign-balancing` | -" in report
     assert (out / "loss_curves.png").read_bytes()[:4] == b"\x89PNG" and (out / "max_vio_curves.png").is_file()
     assert "[2/2] sign-balancing seed 0 done in" in printed and "0 left" in printed
+    bias_key = "model.layers.1.block_sparse_moe.gate.e_score_correction_bias"
+    sign_bias = load_file(out / "runs" / "sign-balancing" / "seed-0" / "model" / "model.safetensors")[bias_key]
+    steps = sign_bias.double() / 1e-3  # the row's flags reach the job: 4 moves of exactly +-gamma each
+    assert steps.abs().max() <= 4 and torch.allclose(steps, steps.round(), atol=1e-4) and steps.abs().max() > 0
 
     logs = {path: path.read_bytes() for path in out.glob("runs/*/seed-0.*")}
     status, printed, _ = run_cli(matrix_args(out, corpus))
