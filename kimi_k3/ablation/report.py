@@ -1,4 +1,4 @@
-"""The matrix's report: ``report.md`` (the command, machine, versions and date; a table of every metric as mean ± std
+"""The matrix's report: ``README.md`` (the command, machine, versions and date; a table of every metric as mean ± std
 over seeds; each row's difference to the baseline, flagged where it exceeds twice the seed spread) and the loss and
 MaxVio curves as PNG, averaged over seeds at each logged step.
 
@@ -20,7 +20,7 @@ import torch
 from kimi_k3.ablation.rows import BASELINE
 from kimi_k3.job.expert_load import PLOT_EXTRA, matplotlib_available, new_figure, plot_max_vio
 
-REPORT_NAME = "report.md"
+REPORT_NAME = "README.md"  # the report is what a browser of the output folder shows first
 LOSS_PNG, MAX_VIO_PNG = "loss_curves.png", "max_vio_curves.png"
 # (metric, column title, format); the first group is also compared with the baseline.
 COMPARED = [
@@ -73,6 +73,10 @@ def versions() -> str:
     names = ("torch", "transformers", "accelerate", "kimi-k3")
     return ", ".join(f"{name} {importlib.metadata.version(name)}" for name in names) + \
         f", Python {platform.python_version()}"
+
+
+def run_minutes(results: dict[str, list[dict]]) -> float:
+    return sum(run["wall_time_s"] for runs in results.values() for run in runs) / 60
 
 
 def table(rows: list, results: dict[str, list[dict]]) -> list[str]:
@@ -128,14 +132,15 @@ def curves_png(rows: list, results: dict[str, list[dict]], key: str, ylabel: str
 
 def write_report(output_dir: Path, command: str, rows: list, results: dict[str, list[dict]], steps: int,
                  failures: list[str], wall_time_s: float) -> Path:
-    """``report.md`` and, with matplotlib, the two PNGs, in ``output_dir``; returns the report's path."""
+    """``README.md`` and, with matplotlib, the two PNGs, in ``output_dir``; returns the report's path."""
     lines = [
         "# Ablation report", "",
         f"- command: `{command}`",
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         f"- machine: {machine()}",
         f"- versions: {versions()}",
-        f"- {steps} optimizer steps per run; this invocation's wall time {wall_time_s / 60:.1f} min",
+        f"- {steps} optimizer steps per run; the runs' jobs took {run_minutes(results):.1f} min in all (their own "
+        f"clocks, across resumes); this invocation of kimi-k3-ablate took {wall_time_s / 60:.1f} min",
         "",
         "Eval loss is the token-mean cross-entropy of the final model over the job's validation blocks; MaxVio is "
         "the worst MoE layer's max load / mean load - 1 at each logged training step (final: the last one, mean: "

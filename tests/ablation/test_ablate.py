@@ -107,7 +107,7 @@ def test_matrix_writes_its_report_skips_finished_runs_and_resumes_a_killed_one_t
     assert status == 0, printed
     first = results(out)
     assert sorted(first) == ["baseline", "sign-balancing"]
-    report = (out / "report.md").read_text()
+    report = (out / "README.md").read_text()
     for name, result in first.items():
         metrics = result["metrics"]
         assert metrics["steps"] == 4 and [step for step, _ in metrics["loss_curve"]] == [1, 2, 3, 4]
