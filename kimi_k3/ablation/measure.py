@@ -62,9 +62,9 @@ class _Maxima:
     def __init__(self):
         self.values: dict[str, float] = {}
 
-    def hook(self, name: str, pick=lambda output: output):
-        def record(module, args, output):
-            value = pick(output).detach().abs().max().item()
+    def hook(self, name: str):
+        def record(module, args, output) -> None:
+            value = output.detach().abs().max().item()
             self.values[name] = max(self.values.get(name, 0.0), value)
 
         return record
@@ -92,7 +92,7 @@ def evaluation_record(model: KimiK3ForCausalLM, blocks) -> dict:
         for name, attn in find_mla_layers(model).items():
             logit_maxima[name] = LogitMaxRecorder(attn, padding, training_only=False)
             attachment.set_attribute(attn, "query_key_observer", logit_maxima[name])
-        for name, experts in find_routed_experts(model).items():
+        for experts in find_routed_experts(model).values():
             attachment.add(experts_activation(experts).register_forward_hook(maxima.hook("expert_activation")))
             attachment.add(experts.register_forward_hook(maxima.hook("expert_output")))
         for name, router in routers.items():

@@ -140,8 +140,9 @@ class Progress:
         self.durations.append(seconds)
         left = self.total - self.done
         estimate = sum(self.durations) / len(self.durations) * left
+        rest = f"{left} left, about {_duration(estimate)} to go" if left else "all done"
         print(f"kimi-k3-ablate: [{self.done}/{self.total}] {run.row.name} seed {run.seed} done in {seconds:.0f} s "
-              f"({summary}); {left} left, about {_duration(estimate)} to go", flush=True)
+              f"({summary}); {rest}", flush=True)
 
 
 def _duration(seconds: float) -> str:

@@ -117,7 +117,8 @@ def test_matrix_writes_its_report_skips_finished_runs_and_resumes_a_killed_one_t
     assert first["baseline"]["metrics"]["max_vio_curve"] != first["sign-balancing"]["metrics"]["max_vio_curve"]
     assert "| `sign-balancing` | +" in report or "| `sign-balancing` | -" in report
     assert (out / "loss_curves.png").read_bytes()[:4] == b"\x89PNG" and (out / "max_vio_curves.png").is_file()
-    assert "[2/2] sign-balancing seed 0 done in" in printed and "0 left" in printed
+    assert "[1/2] baseline seed 0 done in" in printed and "1 left, about " in printed
+    assert "[2/2] sign-balancing seed 0 done in" in printed and "all done" in printed
     bias_key = "model.layers.1.block_sparse_moe.gate.e_score_correction_bias"
     sign_bias = load_file(out / "runs" / "sign-balancing" / "seed-0" / "model" / "model.safetensors")[bias_key]
     steps = sign_bias.double() / 1e-3  # the row's flags reach the job: 4 moves of exactly +-gamma each
