@@ -20,6 +20,7 @@ from pathlib import Path
 
 from transformers.trainer_utils import get_last_checkpoint
 
+import kimi_k3
 from kimi_k3.ablation.measure import measure_run
 from kimi_k3.ablation.rows import AblationError, Preset, Row, check_applies, select_rows
 from kimi_k3.checkpoint import run_folder
@@ -181,11 +182,18 @@ def train(run: PlannedRun, progress: Progress) -> str | None:
         log.write(f"$ kimi-k3-train {' '.join(argv)}\n")
         log.flush()
         status = subprocess.run([sys.executable, "-m", "kimi_k3.job.main", *argv], stdout=log,
-                                stderr=subprocess.STDOUT, check=False).returncode
+                                stderr=subprocess.STDOUT, env=job_environment(), check=False).returncode
     if status == 0:
         return None
     lines = run.log_file.read_text().strip().splitlines()
     return f"{run.row.name} seed {run.seed} failed (status {status}, log {run.log_file}): {lines[-1] if lines else ''}"
+
+
+def job_environment() -> dict[str, str]:
+    """The environment with this code's own folder first on PYTHONPATH, so the job runs the code the runner runs (a
+    checkout's scripts/ablate.py without an install, or a checkout beside an installed copy)."""
+    here = str(Path(kimi_k3.__file__).resolve().parents[1])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
 
 
 def write_result(run: PlannedRun, metrics: dict) -> None:
