@@ -112,6 +112,7 @@ def test_matrix_writes_its_report_skips_finished_runs_and_resumes_a_killed_one_t
         metrics = result["metrics"]
         assert metrics["steps"] == 4 and [step for step, _ in metrics["loss_curve"]] == [1, 2, 3, 4]
         assert math.isfinite(metrics["eval_loss"]) and metrics["max_attention_logit"] > 0
+        assert metrics["step_time_s"] > 0 and metrics["tokens_per_s"] > 0  # the job's clock timed its 4 steps
         assert f"| `{name}` |" in report and f"{metrics['eval_loss']:.4f}" in report
     assert first["baseline"]["metrics"]["total_parameters"] == first["sign-balancing"]["metrics"]["total_parameters"]
     assert first["baseline"]["metrics"]["max_vio_curve"] != first["sign-balancing"]["metrics"]["max_vio_curve"]
