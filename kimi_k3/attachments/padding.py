@@ -33,9 +33,9 @@ def shared_padding(model: nn.Module, attachment: Attachment) -> "PaddingTracker"
 
 
 class PaddingTracker:
-    """Keeps ``token_mask`` [batch·seq] (True = real token, in the flattened order routers see) and
-    ``document_starts`` [batch, seq] (True where a packed document begins, as the model reads them) of the current
-    forward.
+    """Keeps ``token_mask`` [batch·seq] (True = real token, in the flattened order routers see), ``document_starts``
+    [batch, seq] (True where a packed document begins, as the model reads them) and ``batch_shape`` (batch, seq) of
+    the current forward.
 
     A forward pre-hook on the decoder stack reads the call's 2-D ``attention_mask`` (its last ``seq`` columns, as
     cached steps prepend past positions); the mask is None for an unpadded call or a custom 4-D mask. The document
@@ -46,6 +46,7 @@ class PaddingTracker:
         self._stack = weakref.ref(stack)  # the registry's key: a strong reference would keep the model alive
         self.token_mask: torch.Tensor | None = None
         self.document_starts: torch.Tensor | None = None
+        self.batch_shape: tuple[int, int] | None = None
         self.users = 0
         self._signature = inspect.signature(stack.forward)
         self._handle = stack.register_forward_pre_hook(self._capture, with_kwargs=True)
@@ -54,9 +55,10 @@ class PaddingTracker:
         call = self._signature.bind_partial(*args, **kwargs).arguments
         mask = call.get("attention_mask")
         inputs = call.get("input_ids") if call.get("input_ids") is not None else call.get("inputs_embeds")
-        self.token_mask = self.document_starts = None
+        self.token_mask = self.document_starts = self.batch_shape = None
         if inputs is None:
             return
+        self.batch_shape = tuple(inputs.shape[:2])
         if mask is not None and mask.ndim == 2:
             self.token_mask = mask[:, -inputs.shape[1] :].bool().reshape(-1)
         self.document_starts = packed_document_starts(inputs, mask, call.get("position_ids"), call.get("kwargs", {}))

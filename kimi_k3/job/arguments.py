@@ -23,7 +23,10 @@ from kimi_k3.publishing.model_card import card_metadata, hub_repo_id, is_repo_id
 from kimi_k3.quantization.qat import ACTIVATION_FORMATS, WEIGHT_FORMATS
 from kimi_k3.text.corpus import PACKING_MODES, STREAM_EVAL_BLOCKS, STREAM_TOKENIZER_DOCUMENTS, DataError
 
-OPTIMIZERS = ("per_head_muon", "adamw")
+OPTIMIZERS = ("per_head_muon", "whole_matrix_muon", "adamw")
+
+# How the router bias moves between steps (`QuantileBalancing`'s update rules).
+ROUTER_BALANCING = ("quantile", "sign", "none")
 
 FINAL_LAYOUTS = ("ours", "released")
 
@@ -82,9 +85,10 @@ class ModelArguments:
     )
     optimizer: str | None = field(
         default=None,
-        metadata={"help": "per_head_muon (Muon for matrices, AdamW for the rest; the default) or adamw (Trainer's own "
-                          "optimizer, chosen by --optim: AdamW unless --optim names another; --optim alone implies "
-                          "it).", "choices": OPTIMIZERS},
+        metadata={"help": "per_head_muon (Muon for matrices, AdamW for the rest; the default), whole_matrix_muon "
+                          "(the same with each attention Q, K, V projection orthogonalised whole, not per head) or "
+                          "adamw (Trainer's own optimizer, chosen by --optim: AdamW unless --optim names another; "
+                          "--optim alone implies it).", "choices": OPTIMIZERS},
     )
     muon_ns_dtype: str = field(
         default="auto",
@@ -94,6 +98,21 @@ class ModelArguments:
     quantile_balancing: bool = field(
         default=True,
         metadata={"help": "Update the router bias with Quantile Balancing; --no_quantile_balancing only logs loads."},
+    )
+    router_balancing: str | None = field(
+        default=None,
+        metadata={"help": "How the router bias moves after each step: quantile (Quantile Balancing, the default), "
+                          "sign (DeepSeek-V3's b += γ·sign(mean load − load), γ = --sign_balancing_gamma) or none "
+                          "(loads are still logged); --no_quantile_balancing is none.",
+                  "choices": ROUTER_BALANCING},
+    )
+    sign_balancing_gamma: float = field(
+        default=1e-3, metadata={"help": "With --router_balancing sign: its step γ (DeepSeek-V3's 1e-3)."}
+    )
+    aux_loss_alpha: float = field(
+        default=0.0,
+        metadata={"help": "Add DeepSeek-V3's sequence-wise auxiliary balance loss α·Σ f_i P_i to the training loss "
+                          "(DeepSeek-V3: α = 1e-4, beside its sign rule); 0 (the default) adds none."},
     )
     fused_situ: bool = field(
         default=True,
@@ -241,6 +260,7 @@ def parse_args(argv: list[str] | None) -> tuple[ModelArguments, DataArguments, C
             action.help = complements[option]
     model_args, data_args, card_args, training_args = parser.parse_args_into_dataclasses(args=argv)
     choose_optimizer(model_args, training_args, sys.argv[1:] if argv is None else argv)
+    choose_router_balancing(model_args)
     return model_args, data_args, card_args, training_args
 
 
@@ -250,12 +270,33 @@ def choose_optimizer(model_args: ModelArguments, training_args: TrainingArgument
     optim_given = any(arg == "--optim" or arg.startswith("--optim=") for arg in argv)
     if model_args.optimizer is None:
         model_args.optimizer = "adamw" if optim_given else "per_head_muon"
-    elif model_args.optimizer == "per_head_muon" and optim_given:
+    elif model_args.optimizer != "adamw" and optim_given:
         raise UsageError(
-            f"--optim {training_args.optim.value} chooses Trainer's optimizer, which --optimizer per_head_muon "
+            f"--optim {training_args.optim.value} chooses Trainer's optimizer, which --optimizer {model_args.optimizer} "
             f"replaces: pass --optimizer adamw (or --optim alone) to train with {training_args.optim.value}, or drop "
             "--optim"
         )
+
+
+def choose_router_balancing(model_args: ModelArguments) -> None:
+    """--router_balancing, quantile by default; --no_quantile_balancing means none, and contradicting it is refused."""
+    if model_args.router_balancing is None:
+        model_args.router_balancing = "quantile" if model_args.quantile_balancing else "none"
+    elif not model_args.quantile_balancing and model_args.router_balancing != "none":
+        raise UsageError(
+            f"--no_quantile_balancing leaves the router bias alone, and --router_balancing {model_args.router_balancing} "
+            "moves it: pass one of them"
+        )
+    model_args.quantile_balancing = model_args.router_balancing == "quantile"
+
+
+def check_balancing(model_args: ModelArguments) -> None:
+    for flag in ("sign_balancing_gamma", "aux_loss_alpha"):
+        value = getattr(model_args, flag)
+        if not (math.isfinite(value) and value >= 0):
+            raise UsageError(f"--{flag} must be a finite number >= 0, got {value}")
+    if model_args.router_balancing == "sign" and model_args.sign_balancing_gamma == 0:
+        raise UsageError("--router_balancing sign needs --sign_balancing_gamma > 0 (DeepSeek-V3: 1e-3), got 0")
 
 
 def check_batch_sizes(training_args: TrainingArguments) -> None:

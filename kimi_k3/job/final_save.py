@@ -76,7 +76,7 @@ def training_summary(trainer, model_args, data_description, blocks, block_size, 
         global_batch_size=global_batch_size,
         optimizer=describe_optimizer(model_args, args),
         learning_rate=args.learning_rate,
-        router_balancing="quantile_balancing" if model_args.quantile_balancing else "none",
+        router_balancing=describe_router_balancing(model_args),
         first_loss=losses[0] if losses else math.nan,
         last_loss=losses[-1] if losses else math.nan,
         eval_loss=eval_metrics["eval_loss"],
@@ -96,7 +96,16 @@ def training_summary(trainer, model_args, data_description, blocks, block_size, 
 def describe_optimizer(model_args: ModelArguments, args) -> str:
     if model_args.optimizer == "per_head_muon":
         return "Per-Head Muon + AdamW"
+    if model_args.optimizer == "whole_matrix_muon":
+        return "Muon (whole attention matrices) + AdamW"
     return f"Trainer's `{args.optim.value}` (--optim)"
+
+
+def describe_router_balancing(model_args: ModelArguments) -> str:
+    rule = {"quantile": "quantile_balancing", "sign": f"sign update (gamma = {model_args.sign_balancing_gamma:g})",
+            "none": "none"}[model_args.router_balancing]
+    return rule + (f" + sequence-wise auxiliary loss (alpha = {model_args.aux_loss_alpha:g})"
+                   if model_args.aux_loss_alpha else "")
 
 
 def describe_qat(model_args: ModelArguments) -> str:

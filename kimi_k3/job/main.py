@@ -27,6 +27,7 @@ from kimi_k3.job.arguments import (
     card_settings,
     check_batch_sizes,
     check_block_size,
+    check_balancing,
     check_expert_merging,
     check_data_limits,
     check_learning_rate,
@@ -61,6 +62,7 @@ from kimi_k3.job.trainer import KimiK3Trainer, SaveError, check_resumable, finis
 from kimi_k3.kernels.fused_situ import use_fused_situ
 from kimi_k3.optim.muon import PerHeadMuonFactory
 from kimi_k3.optim.precision import warn_if_bf16_is_emulated
+from kimi_k3.policies.auxiliary_balance_loss import AuxiliaryBalanceLossCallback
 from kimi_k3.policies.expert_merging import ExpertMergingCallback
 from kimi_k3.policies.qk_clip import QKClipCallback
 from kimi_k3.policies.quantile_balancing import QuantileBalancingCallback
@@ -135,6 +137,7 @@ def check_options(model_args, data_args, training_args) -> None:
     check_batch_sizes(training_args)
     check_learning_rate(training_args)
     check_local_sources(model_args)
+    check_balancing(model_args)
     check_expert_merging(model_args)
     check_data_limits(data_args, training_args)
     check_world_size(training_args)
@@ -298,19 +301,26 @@ def attach_expert_qat(model_args: ModelArguments, model: KimiK3ForCausalLM) -> N
 
 def optimizer_and_callbacks(model_args: ModelArguments, training_args: TrainingArguments, model,
                             qk_clip_tau: float | None):
-    """Per-Head Muon through Trainer's optimizer-factory hook (or Trainer's own AdamW); QK-Clip and Quantile Balancing,
-    which the callbacks attach to that optimizer's step hooks and whose statistics join the logs; and the recorder of
-    expert loads for the card's picture."""
+    """(Per-Head) Muon through Trainer's optimizer-factory hook (or Trainer's own AdamW); QK-Clip and the router
+    balancing, which the callbacks attach to that optimizer's step hooks and whose statistics join the logs; the
+    auxiliary balance loss, when asked for; and the recorder of expert loads for the card's picture."""
     optimizer_cls_and_kwargs = None
-    if model_args.optimizer == "per_head_muon":
-        optimizer_cls_and_kwargs = PerHeadMuonFactory.from_training_args(training_args, ns_dtype=model_args.muon_ns_dtype)
+    if model_args.optimizer != "adamw":
+        optimizer_cls_and_kwargs = PerHeadMuonFactory.from_training_args(
+            training_args, ns_dtype=model_args.muon_ns_dtype, per_head=model_args.optimizer == "per_head_muon"
+        )
     callbacks = [TrainingHealthCallback()]
     if qk_clip_tau is not None:
         callbacks.append(QKClipCallback(qk_clip_tau))
     if find_routers(model):
-        update_rule = "quantile" if model_args.quantile_balancing else "none"
-        balancing = QuantileBalancingCallback(model, update_rule=update_rule, per_layer_metrics=False)
+        balancing = QuantileBalancingCallback(model, update_rule=model_args.router_balancing,
+                                              sign_gamma=model_args.sign_balancing_gamma, per_layer_metrics=False)
         callbacks += [balancing, ExpertLoadRecorder(balancing.policy)]
+        if model_args.aux_loss_alpha:
+            # Trainer sums the micro-batches' losses of a step (their token losses share one normaliser), so each
+            # micro-batch carries 1/N of the step's auxiliary term.
+            alpha = model_args.aux_loss_alpha / training_args.gradient_accumulation_steps
+            callbacks.append(AuxiliaryBalanceLossCallback(model, alpha))
         if model_args.expert_merging_every_n_steps:
             callbacks.append(ExpertMergingCallback(
                 balancing.policy, model_args.expert_merging_every_n_steps, model_args.expert_merging_threshold,
@@ -318,6 +328,8 @@ def optimizer_and_callbacks(model_args: ModelArguments, training_args: TrainingA
             ))  # fmt: skip
     elif model_args.expert_merging_every_n_steps:
         raise UsageError("--expert_merging_every_n_steps merges routed experts, and the model has none (num_experts)")
+    elif model_args.aux_loss_alpha:
+        raise UsageError("--aux_loss_alpha balances MoE routers, and the model has none (num_experts)")
     return optimizer_cls_and_kwargs, callbacks
 
 
@@ -341,3 +353,7 @@ def build_trainer(model, tokenizer, blocks, training_args, optimizer_cls_and_kwa
     )
     trainer.run_settings = settings
     return trainer
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -24,7 +24,8 @@ TRAINING_SETTINGS = (
     "adam_beta1", "adam_beta2", "adam_epsilon", "optim", "max_grad_norm", "seed", "data_seed",
 )  # fmt: skip
 MODEL_SETTINGS = (
-    "optimizer", "muon_ns_dtype", "quantile_balancing", "qk_clip_tau", "qat", "qat_activations",
+    "optimizer", "muon_ns_dtype", "quantile_balancing", "router_balancing", "sign_balancing_gamma", "aux_loss_alpha",
+    "qk_clip_tau", "qat", "qat_activations",
     "expert_merging_every_n_steps", "expert_merging_threshold", "expert_merging_max_per_layer",
 )  # fmt: skip
 DATA_SETTINGS = (

@@ -226,14 +226,15 @@ class PerHeadMuon(torch.optim.Optimizer):
     @classmethod
     def for_model(cls, model, lr=1e-3, weight_decay=0.1, adamw_lr=None, adamw_betas=(0.9, 0.95), adamw_eps=1e-8,
                   momentum=0.95, nesterov=True, split_kv=True, ns_dtype="auto", split_newton_schulz=True,
-                  qk_clip_tau=None):
+                  qk_clip_tau=None, per_head=True):
         """Build the optimizer for a Kimi K3 model with the parameter split of `build_param_groups`.
 
         ``adamw_lr`` defaults to ``lr``: Moonlight RMS matching makes one lr fit both halves. ``split_kv=True``
         (default) orthogonalizes MLA ``kv_b_proj`` as separate K and V blocks per head, because the report
         orthogonalizes "Q, K and V" as separate projections; a fused [k_nope‖v] block would couple K's and V's
         scales through one Frobenius normalization, which is the coupling Per-Head Muon removes, and QK-Clip
-        rescales the K rows alone.
+        rescales the K rows alone. ``per_head=False`` is plain Muon on the attention projections: each Q, K, V (MLA's
+        fused kv_b_proj included) orthogonalised as one whole matrix, the baseline Per-Head Muon is compared with.
         """
         if qk_clip_tau is not None:
             raise TypeError(
@@ -241,7 +242,8 @@ class PerHeadMuon(torch.optim.Optimizer):
                 "QKClip(model, tau).attach(optimizer) (kimi_k3.policies.qk_clip), or QKClipCallback(tau) under Trainer"
             )
         _refuse_lora_adapters(model)
-        groups = build_param_groups(model, weight_decay=weight_decay, adamw_lr=adamw_lr, split_kv=split_kv)
+        groups = build_param_groups(model, weight_decay=weight_decay, adamw_lr=adamw_lr, split_kv=split_kv,
+                                    per_head=per_head)
         return cls(groups, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                    betas=adamw_betas, eps=adamw_eps, ns_dtype=ns_dtype, split_newton_schulz=split_newton_schulz)
 
@@ -441,7 +443,7 @@ def _check_group(group):
             )
 
 
-def build_param_groups(model, weight_decay=0.1, adamw_lr=None, split_kv=True):
+def build_param_groups(model, weight_decay=0.1, adamw_lr=None, split_kv=True, per_head=True):
     """Param groups of a Kimi K3 model (K3 report §2.5); head sizes come from ``model.config``.
 
     Each group lists its parameters' names under ``param_names`` (torch's named param groups). Muon: every trainable
@@ -449,7 +451,8 @@ def build_param_groups(model, weight_decay=0.1, adamw_lr=None, split_kv=True):
     nope+rope blocks; kv_b_proj in (nope, v) or nope+v blocks; the rest whole), and the stacked experts per expert
     (shared-basis experts: each basis matrix, split like an expert; their coefficients go to AdamW).
     AdamW: embeddings, lm_head, conv kernels and the [1, hidden] AttnRes pseudo-queries (with decay), and 1-D tensors
-    (without decay). Buffers such as the router's ``e_score_correction_bias`` are in no group.
+    (without decay). Buffers such as the router's ``e_score_correction_bias`` are in no group. ``per_head=False``
+    leaves the attention projections whole (whole-matrix Muon); the experts stay one block per expert matrix.
     """
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) != "kimi_k3":
@@ -457,14 +460,15 @@ def build_param_groups(model, weight_decay=0.1, adamw_lr=None, split_kv=True):
             f"build_param_groups needs a Kimi K3 model (config.model_type == 'kimi_k3'), got "
             f"{type(model).__name__} with model_type={getattr(config, 'model_type', None)!r}."
         )
-    head_rows = head_rows_by_layer_type(config, split_kv)
+    head_rows = head_rows_by_layer_type(config, split_kv) if per_head else {}
     by_tag, tagged_layer_types = defaultdict(list), set()
     for name, p in model.named_parameters():
         if p.requires_grad:
             tag, layer_type = _group_tag(name, p, config, head_rows)
             by_tag[tag].append((name, p))
             tagged_layer_types.add(layer_type)
-    _require_head_blocks(head_rows, set(config.layer_types) - tagged_layer_types)
+    if per_head:
+        _require_head_blocks(head_rows, set(config.layer_types) - tagged_layer_types)
     groups = [{"params": [p for _, p in named], "param_names": [name for name, _ in named], **dict(tag)}
               for tag, named in by_tag.items()]
     for group in groups:
@@ -492,7 +496,7 @@ def _group_tag(name, p, config, head_rows):
     layer = LAYER_PARAM.search(name)
     if layer is not None:
         layer_type = config.layer_types[int(layer.group(1))]
-        rows = head_rows[layer_type].get(layer.group(2))
+        rows = head_rows.get(layer_type, {}).get(layer.group(2))
         if rows is not None:
             return (("use_muon", True), ("head_rows", rows)), layer_type
     module, weight = name.rsplit(".", 2)[-2:]

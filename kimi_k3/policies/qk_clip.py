@@ -27,14 +27,14 @@ class LogitMaxRecorder:
     """Per-head running max [H] of one MLA layer's pre-softmax logits over the pairs attention uses (causal, query and
     key both real tokens of one packed document), from training forwards with gradients: a padded query row is never
     attended from, nor a key of another document, so neither must trigger a clip. The layer's ``query_key_observer``
-    while QK-Clip is attached."""
+    while QK-Clip is attached. ``training_only=False`` records every forward (a measurement of a trained model)."""
 
-    def __init__(self, attn, padding: PaddingTracker):
-        self.padding = padding
+    def __init__(self, attn, padding: PaddingTracker, training_only: bool = True):
+        self.padding, self.training_only = padding, training_only
         self.maximum = torch.full((attn.num_heads,), float("-inf"), device=attn.kv_b_proj.weight.device)
 
     def __call__(self, attn, queries: torch.Tensor, keys: torch.Tensor) -> None:
-        if attn.training and torch.is_grad_enabled():
+        if not self.training_only or (attn.training and torch.is_grad_enabled()):
             with torch.no_grad():
                 self._add(attn, queries, keys)
 

@@ -252,6 +252,30 @@ def test_fused_kv_option_tags_one_block_per_head(config):
     assert {group.get("head_rows") for group in groups} == {None, 8, 12, 16}
 
 
+def test_whole_matrix_option_orthogonalises_each_attention_projection_as_one_block(config):
+    torch.manual_seed(0)
+    model = KimiK3ForCausalLM(config)
+    groups = build_param_groups(model, per_head=False)
+    assert {group.get("head_rows") for group in groups} == {None}
+    names = _param_names(model)
+    whole = {names[id(p)] for group in groups if group["use_muon"] and group.get("expert_rows") is None
+             for p in group["params"]}
+    assert {name for name in names.values() if _PER_HEAD.search(name)} <= whole
+    assert {group.get("expert_rows") for group in groups} == {None, 16, 24}  # experts keep their blocks
+    optimizer = PerHeadMuon.for_model(model, lr=1.0, weight_decay=0.0, per_head=False, ns_dtype="float32")
+    weight = model.model.layers[config.mla_layer_indices[0]].self_attn.kv_b_proj.weight
+    before, grad = weight.detach().clone(), torch.randn_like(weight)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    weight.grad = grad
+    optimizer.step()
+    # Nesterov from zero momentum: U = G + 0.95 G; one block of the whole (k_nope ‖ v) matrix, RMS-matched.
+    scale = 0.2 * max(weight.shape) ** 0.5
+    trusted, exact = (zeropower_via_newton_schulz5(1.95 * grad[None].to(dtype), dtype=dtype)[0] * scale
+                      for dtype in (torch.float32, torch.float64))
+    assert_as_accurate(before - weight.detach(), trusted, exact, what="whole kv_b_proj update")
+
+
 def test_frozen_head_projections_are_refused(config):
     model = KimiK3ForCausalLM(config)
     for name, p in model.named_parameters():

@@ -1,0 +1,168 @@
+"""The matrix's report: ``README.md`` (the command, machine, versions and date; a table of every metric as mean ± std
+over seeds; each row's difference to the baseline, flagged where it exceeds twice the seed spread) and the loss and
+MaxVio curves as PNG, averaged over seeds at each logged step.
+
+The seed spread of a difference is the pooled standard deviation sqrt((s_row² + s_baseline²) / 2) of the two rows'
+seeds; with one seed there is none, and nothing is flagged.
+"""
+
+import importlib.metadata
+import io
+import math
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kimi_k3.ablation.rows import BASELINE
+from kimi_k3.job.expert_load import PLOT_EXTRA, matplotlib_available, new_figure, plot_max_vio
+
+REPORT_NAME = "README.md"  # the report is what a browser of the output folder shows first
+LOSS_PNG, MAX_VIO_PNG = "loss_curves.png", "max_vio_curves.png"
+# (metric, column title, format) of the table, in its order.
+SHOWN = [
+    ("eval_loss", "eval loss", "{:.4f}"),
+    ("eval_perplexity", "eval perplexity", "{:.1f}"),
+    ("final_max_vio", "final MaxVio", "{:.3f}"),
+    ("mean_max_vio", "mean MaxVio", "{:.3f}"),
+    ("dead_experts", "dead experts", "{:.1f}"),
+    ("max_expert_activation", "max expert activation", "{:.3g}"),
+    ("max_expert_output", "max expert latent output", "{:.3g}"),
+    ("max_attention_logit", "max attention logit", "{:.3g}"),
+    ("step_time_s", "step s", "{:.3f}"),
+    ("tokens_per_s", "tokens/s", "{:.0f}"),
+]
+# The metrics whose differences to the baseline the report tests against the seed spread.
+COMPARED = [metric for metric in SHOWN if metric[0] in
+            ("eval_loss", "final_max_vio", "mean_max_vio", "max_expert_activation", "max_attention_logit")]
+
+
+def spread(values: list[float]) -> float:
+    return statistics.stdev(values) if len(values) > 1 else math.nan
+
+
+def mean_and_std(values: list[float], form: str) -> str:
+    mean, std = statistics.fmean(values), spread(values)
+    return form.format(mean) + ("" if math.isnan(std) else " ± " + form.format(std))
+
+
+def difference(row: list[float], baseline: list[float], form: str) -> str:
+    """The difference of the means, and whether it exceeds twice the pooled seed spread."""
+    delta = statistics.fmean(row) - statistics.fmean(baseline)
+    pooled = math.sqrt((spread(row) ** 2 + spread(baseline) ** 2) / 2)
+    text = ("+" if delta >= 0 else "") + form.format(delta)
+    if math.isnan(pooled):
+        return text
+    return text + (" **yes**" if abs(delta) > 2 * pooled else " no")
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                 if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+    return (f"{cpu}, {os.cpu_count()} cores visible, torch CPU capability "
+            f"{torch.backends.cpu.get_cpu_capability()}{load} when the report was written")
+
+
+def versions() -> str:
+    names = ("torch", "transformers", "accelerate", "kimi-k3")
+    return ", ".join(f"{name} {importlib.metadata.version(name)}" for name in names) + \
+        f", Python {platform.python_version()}"
+
+
+def run_minutes(results: dict[str, list[dict]]) -> float:
+    return sum(run["wall_time_s"] for runs in results.values() for run in runs) / 60
+
+
+def table(rows: list, results: dict[str, list[dict]]) -> list[str]:
+    header = ["row", "change", "seeds"] + [title for _, title, _ in SHOWN] + ["parameters (active)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * 3 + "---:|" * (len(header) - 3)]
+    for row in rows:
+        runs = results[row.name]
+        cells = [f"`{row.name}`", row.change, str(len(runs))]
+        cells += [mean_and_std([run[key] for run in runs], form) for key, _, form in SHOWN]
+        cells.append(f"{runs[0]['total_parameters']:,} ({runs[0]['active_parameters']:,})")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def differences(rows: list, results: dict[str, list[dict]]) -> list[str]:
+    header = ["row"] + [f"Δ {title}" for _, title, _ in COMPARED]
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * len(COMPARED)]
+    baseline = results[BASELINE]
+    for row in rows:
+        if row.name == BASELINE:
+            continue
+        cells = [f"`{row.name}`"] + [
+            difference([run[key] for run in results[row.name]], [run[key] for run in baseline], form)
+            for key, _, form in COMPARED
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def mean_curve(runs: list[dict], key: str) -> list[tuple[int, float]]:
+    """The curve averaged over seeds at each step all of them logged."""
+    by_step = [dict((step, value) for step, value in run[key]) for run in runs]
+    steps = sorted(set.intersection(*(set(curve) for curve in by_step))) if by_step else []
+    return [(step, statistics.fmean(curve[step] for curve in by_step)) for step in steps]
+
+
+def curves_png(rows: list, results: dict[str, list[dict]], key: str, ylabel: str) -> bytes:
+    figure = new_figure(figsize=(9, 5.5))
+    axis = figure.subplots()
+    curves = {row.name: mean_curve(results[row.name], key) for row in rows}
+    if key == "max_vio_curve":
+        plot_max_vio(axis, curves)
+    else:
+        for name, points in curves.items():
+            axis.plot([step for step, _ in points], [value for _, value in points], label=name)
+        axis.set(xlabel="optimizer step", ylabel=ylabel)
+        axis.legend(fontsize="small", ncols=2)
+    axis.set_title(f"{ylabel}, mean over seeds")
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100)
+    return buffer.getvalue()
+
+
+def write_report(output_dir: Path, command: str, rows: list, results: dict[str, list[dict]], steps: int,
+                 failures: list[str], wall_time_s: float) -> Path:
+    """``README.md`` and, with matplotlib, the two PNGs, in ``output_dir``; returns the report's path."""
+    lines = [
+        "# Ablation report", "",
+        f"- command: `{command}`",
+        f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        f"- machine: {machine()}",
+        f"- versions: {versions()}",
+        f"- {steps} optimizer steps per run; the runs' jobs took {run_minutes(results):.1f} min in all (their own "
+        f"clocks, across resumes); this invocation of kimi-k3-ablate took {wall_time_s / 60:.1f} min",
+        "",
+        "Eval loss is the token-mean cross-entropy of the final model over the job's validation blocks; MaxVio is "
+        "the worst MoE layer's max load / mean load - 1 at each logged training step (final: the last one, mean: "
+        "over all of them); dead experts count routed experts that no validation token reached, over all layers; "
+        "the maxima are over the validation pass (the routed experts' GLU output and their combined latent output "
+        "before the latent norm; MLA logits over causal pairs); step time is the time inside optimizer steps.",
+        "",
+        *table(rows, results), "",
+    ]  # fmt: skip
+    if BASELINE in results:
+        lines += ["Differences to the baseline (mean of the row - mean of the baseline); **yes** where the difference "
+                  "exceeds twice the pooled seed spread:", "", *differences(rows, results), ""]
+    if matplotlib_available():
+        (output_dir / LOSS_PNG).write_bytes(curves_png(rows, results, "loss_curve", "training loss"))
+        (output_dir / MAX_VIO_PNG).write_bytes(curves_png(rows, results, "max_vio_curve", "MaxVio"))
+        lines += [f"![training loss]({LOSS_PNG})", "", f"![MaxVio]({MAX_VIO_PNG})", ""]
+    else:
+        lines += [f"No curves: matplotlib is not installed ({PLOT_EXTRA}).", ""]
+    if failures:
+        lines += ["Failed runs (not in the table):", "", *(f"- {failure}" for failure in failures), ""]
+    path = output_dir / REPORT_NAME
+    path.write_text("\n".join(lines))
+    return path

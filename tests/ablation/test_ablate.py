@@ -1,0 +1,147 @@
+import contextlib
+import io
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kimi_k3.ablation import cli
+from kimi_k3.ablation.report import difference, mean_and_std, mean_curve
+from kimi_k3.ablation.rows import QUICK_MODEL, ROWS, AblationError, check_applies
+from kimi_k3.text import corpus as data
+from tests.conftest import ROOT, TINY_CONFIG
+
+TINY_MODEL = {key: value for key, value in TINY_CONFIG.items() if key != "vocab_size"}
+KDA_ONLY = {**QUICK_MODEL, "use_cache": False,
+            "linear_attn_config": {**QUICK_MODEL["linear_attn_config"], "kda_layers": [1, 2, 3, 4], "full_attn_layers": []}}
+
+
+def run_cli(argv: list[str]) -> tuple[int, str, str]:
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        status = cli.main(argv)
+    return status, stdout.getvalue(), stderr.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "huge"], "--preset huge: unknown preset; presets are quick, full"),
+    (["--rows", "adamw", "sparse-attention"], "--rows: unknown row 'sparse-attention'; rows are baseline, "),
+    (["--rows", "no-qk-clip", "--config_overrides", json.dumps(KDA_ONLY)],
+     "row 'no-qk-clip' cannot apply: the baseline config has no MLA (full_attention) layer"),
+    (["--rows", "plain-residual", "--config_overrides", '{"attn_res_block_size": null}'],
+     "row 'plain-residual' cannot apply: the baseline config has no Block Attention Residuals"),
+    (["--rows", "latent-width-d", "--config_overrides", '{"routed_expert_hidden_size": 64}'],
+     "row 'latent-width-d' cannot apply: the baseline config has no latent projection"),
+    (["--seeds", "0", "0"], "--seeds must be distinct integers >= 0, got [0, 0]"),
+    (["--job_args", "--no_such_option 1"], "row 'baseline': kimi-k3-train refuses its options: "),
+])  # fmt: skip
+def test_bad_input_is_refused_in_one_line_before_any_run(tmp_path, argv, message):
+    status, printed, error = run_cli([*argv, "--output_dir", str(tmp_path / "out")])
+    assert status == 2 and printed == ""
+    assert error.count("\n") == 1 and error.startswith(f"kimi-k3-ablate: error: {message}")
+    assert not (tmp_path / "out").exists()
+
+
+def test_every_row_applies_to_the_default_and_the_quick_model_and_changes_it():
+    for model in ({}, QUICK_MODEL):
+        for row in ROWS.values():
+            overrides = check_applies(row, model)
+            assert row.flags or overrides or row.name == "baseline"
+    finer = check_applies(ROWS["finer-experts"], {})
+    assert finer == {"num_experts": 256, "num_experts_per_token": 16, "moe_intermediate_size": 32,
+                     "num_shared_experts": 8}
+    with pytest.raises(AblationError, match="row 'swiglu' cannot apply: the baseline config has a hidden_act other"):
+        check_applies(ROWS["swiglu"], {"hidden_act": "silu"})
+
+
+# -------------------------------------------------------------------------------------------------------- the report
+def test_difference_is_flagged_only_beyond_twice_the_pooled_seed_spread():
+    baseline = [1.0, 1.2]  # standard deviation 0.1414
+    assert difference([1.3, 1.5], baseline, "{:.2f}") == "+0.30 **yes**"  # 0.30 > 2 x 0.1414
+    assert difference([1.2, 1.4], baseline, "{:.2f}") == "+0.20 no"
+    assert difference([0.5], [1.0], "{:.1f}") == "-0.5"  # one seed: no spread to compare with
+    assert mean_and_std([1.0, 2.0, 3.0], "{:.2f}") == "2.00 ± 1.00"
+
+
+def test_curves_average_over_seeds_at_the_steps_every_seed_logged():
+    runs = [{"loss_curve": [[1, 4.0], [2, 3.0], [4, 1.0]]}, {"loss_curve": [[1, 2.0], [2, 5.0]]}]
+    assert mean_curve(runs, "loss_curve") == [(1, 3.0), (2, 4.0)]
+
+
+# ---------------------------------------------------------------------------------------------------------- end to end
+def matrix_args(out: Path, corpus: Path) -> list[str]:
+    """Baseline and the sign rule, one seed, 4 steps of the tests' tiny model, a checkpoint every 2 steps."""
+    return ["--preset", "quick", "--rows", "sign-balancing", "--seeds", "0", "--max_steps", "4", "--output_dir",
+            str(out), "--data_files", str(corpus), "--config_overrides", json.dumps(TINY_MODEL),
+            "--job_args", "--save_steps 2 --logging_steps 1 --warmup_steps 0"]
+
+
+def results(out: Path) -> dict[str, dict]:
+    return {path.parent.name: json.loads(path.read_text()) for path in sorted(out.glob("runs/*/seed-0.json"))}
+
+
+def kill_when(process: subprocess.Popen, ready: Path, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready.exists():
+        assert process.poll() is None and time.monotonic() < deadline, "the matrix ended before the checkpoint"
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+@pytest.mark.slow
+def test_matrix_writes_its_report_skips_finished_runs_and_resumes_a_killed_one_to_the_same_numbers(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(data.reference_topics()[:30]))
+    out = tmp_path / "out"
+    status, printed, _ = run_cli(matrix_args(out, corpus))
+    assert status == 0, printed
+    first = results(out)
+    assert sorted(first) == ["baseline", "sign-balancing"]
+    report = (out / "README.md").read_text()
+    for name, result in first.items():
+        metrics = result["metrics"]
+        assert metrics["steps"] == 4 and [step for step, _ in metrics["loss_curve"]] == [1, 2, 3, 4]
+        assert math.isfinite(metrics["eval_loss"]) and metrics["max_attention_logit"] > 0
+        assert metrics["step_time_s"] > 0 and metrics["tokens_per_s"] > 0  # the job's clock timed its 4 steps
+        assert f"| `{name}` |" in report and f"{metrics['eval_loss']:.4f}" in report
+    assert first["baseline"]["metrics"]["total_parameters"] == first["sign-balancing"]["metrics"]["total_parameters"]
+    assert first["baseline"]["metrics"]["max_vio_curve"] != first["sign-balancing"]["metrics"]["max_vio_curve"]
+    assert "| `sign-balancing` | +" in report or "| `sign-balancing` | -" in report
+    assert (out / "loss_curves.png").read_bytes()[:4] == b"\x89PNG" and (out / "max_vio_curves.png").is_file()
+    assert "[1/2] baseline seed 0 done in" in printed and "1 left, about " in printed
+    assert "[2/2] sign-balancing seed 0 done in" in printed and "all done" in printed
+    bias_key = "model.layers.1.block_sparse_moe.gate.e_score_correction_bias"
+    sign_bias = load_file(out / "runs" / "sign-balancing" / "seed-0" / "model" / "model.safetensors")[bias_key]
+    steps = sign_bias.double() / 1e-3  # the row's flags reach the job: 4 moves of +-gamma each, in float32
+    assert torch.allclose(steps, steps.round(), atol=1e-4) and 0 < steps.round().abs().max() <= 4
+
+    logs = {path: path.read_bytes() for path in out.glob("runs/*/seed-0.*")}
+    status, printed, _ = run_cli(matrix_args(out, corpus))
+    assert status == 0 and "2 of 2 runs already finished, skipped" in printed and "training" not in printed
+    assert {path: path.read_bytes() for path in out.glob("runs/*/seed-0.*")} == logs
+
+    sign = out / "runs" / "sign-balancing"
+    for path in sign.iterdir():
+        subprocess.run(["rm", "-rf", str(path)], check=True)
+    command = [sys.executable, "-m", "kimi_k3.ablation.cli", *matrix_args(out, corpus)]
+    killed = subprocess.Popen(command, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    kill_when(killed, sign / "seed-0" / "checkpoint-2")
+    assert not (sign / "seed-0.json").exists()
+    status, printed, _ = run_cli(matrix_args(out, corpus))
+    assert status == 0 and "[2/2] sign-balancing seed 0: resuming from checkpoint-2" in printed
+    resumed = results(out)["sign-balancing"]["metrics"]
+    expected = first["sign-balancing"]["metrics"]
+    for key in ("loss_curve", "max_vio_curve", "eval_loss", "max_expert_activation", "max_attention_logit"):
+        assert resumed[key] == expected[key], key  # the job is deterministic on CPU, and resumes bit for bit
+    assert resumed["resumed_at"] == [2]
