@@ -86,12 +86,14 @@ class JobStep:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def job_training_step(batch_size: int = JOB_BATCH[0], seq_len: int = JOB_BATCH[1], seed: int = 0) -> JobStep:
+def job_training_step(batch_size: int = JOB_BATCH[0], seq_len: int = JOB_BATCH[1], seed: int = 0,
+                      fused_situ: bool = True) -> JobStep:
     """The default `kimi-k3-train` training step on random tokens (see the module docstring)."""
     torch.manual_seed(seed)
     config = KimiK3Config()
     model = KimiK3ForCausalLM(config).train()
-    use_fused_situ(model)
+    if fused_situ:
+        use_fused_situ(model)
     optimizer = PerHeadMuon.for_model(model, lr=3e-3, weight_decay=0.1, adamw_betas=(0.9, 0.95))
     QuantileBalancing(model).attach(optimizer, model)
     QKClip(model, 100.0).attach(optimizer, model)
@@ -279,7 +281,12 @@ def _shapes_only(args) -> list:
     return [_Shape(entry[1]) if entry[0] == "tensor" else entry[-1] for entry in args]
 
 
-def record_matmuls(step) -> MatmulFloor:
+def record_matmuls(batch_size: int = JOB_BATCH[0], seq_len: int = JOB_BATCH[1]) -> MatmulFloor:
+    """The matrix products of one job step (its second: the first allocates the optimizer state), taken from a step
+    of its own with the eager SiTU-GLU: the compiled kernels, shared by the process, stop running compiled after a
+    call under a dispatch mode, and SiTU-GLU has no matrix product."""
+    step = job_training_step(batch_size, seq_len, fused_situ=False)
+    step()
     with MatmulRecorder() as recorder:
         step()
     return MatmulFloor(recorder.calls)
@@ -294,10 +301,10 @@ def large_gemm_rate(dtype: torch.dtype = torch.float32, size: int = 1024) -> flo
 
 def run(profiled_steps: int = 3, repeats: int = 3) -> dict:
     torch.use_deterministic_algorithms(True)  # as the job's full_determinism
+    floor = record_matmuls()
     step = job_training_step()
     for _ in range(2):  # compiles the fused SiTU-GLU, allocates the optimizer state
         step()
-    floor = record_matmuls(step)
     times = time_interleaved({"step": step, "floor": floor.replay()}, repeats=repeats)
     phases = phase_times(step, repeats)
     profile = least_disturbed_profile(step, profiled_steps)
