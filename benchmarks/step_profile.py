@@ -3,7 +3,7 @@
 The step is the one `kimi-k3-train` runs with its defaults: the default `KimiK3Config()` (4,096-token vocabulary),
 batch 8 x 128, the fused SiTU-GLU, Per-Head Muon (Newton–Schulz in the precision the CPU picks), QK-Clip and Quantile
 Balancing attached to the optimizer's step hooks, and torch's deterministic algorithms (the job's
-``full_determinism``). Forward, loss, backward, optimizer step and the policies' updates; no data loading.
+``full_determinism``) without their filling of new tensors (as the job's Trainer). Forward, loss, backward, optimizer step and the policies' updates; no data loading.
 
 - **Breakdown**: torch's profiler on a few steps; each operator's *self* CPU time goes to one class (matmuls,
   elementwise and reductions, data movement, the compiled SiTU-GLU kernels); the step's wall time not spent inside
@@ -79,11 +79,16 @@ class JobStep:
     optimizer: torch.optim.Optimizer
     input_ids: torch.Tensor
 
-    def __call__(self) -> None:
+    def __call__(self) -> tuple[float, float, float]:
+        """Seconds of the forward (with the loss), the backward and the optimizer step."""
+        start = time.perf_counter()
         loss = self.model(input_ids=self.input_ids, labels=self.input_ids).loss
+        forward = time.perf_counter()
         loss.backward()
+        backward = time.perf_counter()
         self.optimizer.step()  # the Quantile Balancing and QK-Clip updates run from its step hooks
         self.optimizer.zero_grad(set_to_none=True)
+        return forward - start, backward - forward, time.perf_counter() - backward
 
 
 def job_training_step(batch_size: int = JOB_BATCH[0], seq_len: int = JOB_BATCH[1], seed: int = 0,
@@ -162,21 +167,10 @@ def breakdown_rows(profile: Profile, wall: float) -> list[dict]:
             for name, seconds in sorted(parts.items(), key=lambda item: -item[1])]
 
 
-def phase_times(step: "JobStep", repeats: int) -> dict[str, float]:
+def phase_times(step: JobStep, repeats: int) -> dict[str, float]:
     """Fastest forward, backward and optimizer step (with the policies' hooks) over ``repeats`` steps, in seconds."""
-    best = dict.fromkeys(("forward", "backward", "optimizer step"), float("inf"))
-    for _ in range(repeats):
-        start = time.perf_counter()
-        loss = step.model(input_ids=step.input_ids, labels=step.input_ids).loss
-        forward = time.perf_counter()
-        loss.backward()
-        backward = time.perf_counter()
-        step.optimizer.step()
-        step.optimizer.zero_grad(set_to_none=True)
-        end = time.perf_counter()
-        for name, seconds in zip(best, (forward - start, backward - forward, end - backward)):
-            best[name] = min(best[name], seconds)
-    return best
+    phases = [step() for _ in range(repeats)]
+    return {name: min(times) for name, times in zip(("forward", "backward", "optimizer step"), zip(*phases))}
 
 
 class MatmulRecorder(TorchDispatchMode):
@@ -299,8 +293,9 @@ def large_gemm_rate(dtype: torch.dtype = torch.float32, size: int = 1024) -> flo
     return 2 * size**3 / seconds
 
 
-def run(profiled_steps: int = 3, repeats: int = 3) -> dict:
+def run(profiled_steps: int = 3, repeats: int = 3, fill_uninitialized_memory: bool = False) -> dict:
     torch.use_deterministic_algorithms(True)  # as the job's full_determinism
+    torch.utils.deterministic.fill_uninitialized_memory = fill_uninitialized_memory  # the job's Trainer turns it off
     floor = record_matmuls()
     step = job_training_step()
     for _ in range(2):  # compiles the fused SiTU-GLU, allocates the optimizer state
@@ -330,13 +325,17 @@ def run(profiled_steps: int = 3, repeats: int = 3) -> dict:
              "rows": floor.by_shape()},
         ],
         "notes": [f"Newton–Schulz dtype {step.optimizer.ns_dtype}; {profile.operators} operators per step, "
-                  f"{floor.count} of them matrix products; profiled step {1e3 * profile.wall:,.0f} ms."],
+                  f"{floor.count} of them matrix products; profiled step {1e3 * profile.wall:,.0f} ms; new tensors "
+                  f"{'filled' if fill_uninitialized_memory else 'not filled'} under deterministic algorithms."],
     }
 
 
 def main() -> None:
-    args = bench_arguments(__doc__)
-    report("step_profile", run(repeats=args.repeats or 3), args.json)
+    args = bench_arguments(__doc__, extra=lambda parser: parser.add_argument(
+        "--fill-uninitialized-memory", action="store_true",
+        help="let torch fill every new tensor first, as kimi-k3-train did before it turned that off"))
+    report("step_profile", run(repeats=args.repeats or 3, fill_uninitialized_memory=args.fill_uninitialized_memory),
+           args.json)
 
 
 if __name__ == "__main__":
