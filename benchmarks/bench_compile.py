@@ -17,7 +17,6 @@ QK-Clip hooks), batch 8 x 128; the new length is 8 x 96.
     python benchmarks/bench_compile.py --only "decoder layers"
 """
 
-import multiprocessing
 import os
 import sys
 import tempfile
@@ -28,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 # benchmarks.common first: it sets the OpenMP wait policy before torch is loaded.
-from benchmarks.common import bench_arguments, report  # noqa: E402
+from benchmarks.common import bench_arguments, in_fresh_process, report  # noqa: E402
 
 CANDIDATES = ("eager", "decoder layers", "whole model")
 TIMEOUT_S = 900
@@ -78,25 +77,12 @@ def _child(candidate: str, cache_dir: str, queue) -> None:
                    "where": traceback.format_exc().strip().splitlines()[-3][:200]})
 
 
-def measure(candidate: str, cache_dir: str) -> dict:
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    process = context.Process(target=_child, args=(candidate, cache_dir, queue))
-    process.start()
-    process.join(TIMEOUT_S)
-    if process.is_alive():
-        process.terminate()
-        process.join()
-        return {"error": f"not done within {TIMEOUT_S} s"}
-    return queue.get() if not queue.empty() else {"error": f"exited with code {process.exitcode}"}
-
-
 def run(candidates=CANDIDATES) -> dict:
     rows, notes = [], []
     for candidate in candidates:
         with tempfile.TemporaryDirectory(prefix="kimi-k3-inductor-") as cache_dir:
             for cache in ("cold cache", "warm cache"):
-                result = measure(candidate, cache_dir)
+                result = in_fresh_process(_child, (candidate, cache_dir), TIMEOUT_S)
                 phases = result.pop("compiler phases", None)
                 rows.append({"candidate": candidate, "inductor cache": cache, **result})
                 if phases:

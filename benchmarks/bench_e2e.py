@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 # benchmarks.common first: it sets the OpenMP wait policy before torch is loaded.
-from benchmarks.common import bench_arguments, report, time_interleaved  # noqa: E402
+from benchmarks.common import bench_arguments, in_fresh_process, report, time_interleaved  # noqa: E402
 from benchmarks.step_profile import job_training_step, large_gemm_rate, record_matmuls  # noqa: E402
 import torch  # noqa: E402
 from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
@@ -199,16 +199,7 @@ def _compile_child(quick: bool, queue) -> None:
 
 def try_compile(quick: bool) -> dict:
     """torch.compile(model) training steps in a fresh process with a deadline, or why it is not usable on CPU."""
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    process = context.Process(target=_compile_child, args=(quick, queue))
-    process.start()
-    process.join(COMPILE_TIMEOUT_S)
-    if process.is_alive():
-        process.terminate()
-        process.join()
-        return {"error": f"no compiled training step within {COMPILE_TIMEOUT_S} s"}
-    return queue.get() if not queue.empty() else {"error": f"compile process exited with code {process.exitcode}"}
+    return in_fresh_process(_compile_child, (quick,), COMPILE_TIMEOUT_S)
 
 
 def run(quick: bool = False, repeats: int | None = None, compile_model: bool = False) -> dict:
