@@ -1,10 +1,15 @@
 """P6: end-to-end training throughput of the default `KimiK3Config()` model against transformers' native
-`KimiLinearForCausalLM` at matched width, depth, heads, experts and top-k; bf16 autocast on/off; peak memory of a
-training step; `torch.compile` training steps on request (compilation takes minutes on CPU).
+`KimiLinearForCausalLM` at matched width, depth, heads, experts and top-k; bf16 autocast on/off; the step as
+`kimi-k3-train` runs it and its matmul floor; peak memory of a training step; `torch.compile` training steps on request
+(compilation takes minutes on CPU).
 
-A training step is forward + causal-LM loss + backward + AdamW step. Throughput candidates run interleaved in one
-process (min of the repetitions); peak memory is the resident-set high-water mark of a fresh process per variant,
-reported on top of the process after building the model, so the numbers do not bleed into each other.
+A training step is forward + causal-LM loss + backward + AdamW step; the job's step uses Per-Head Muon with Quantile
+Balancing and QK-Clip instead (`step_profile.job_training_step`, at this script's batch). Its floor is the step's own
+matrix products (forward, backward, Newton–Schulz: the recorded shapes and counts) replayed back to back, in the job's
+dtype and, where this CPU multiplies bf16 natively, in bf16; its FLOP rate is those products' FLOPs over the step's
+time, as a share of one large fp32 GEMM's rate. Throughput candidates and floors run interleaved in one process (min of
+the repetitions); peak memory is the resident-set high-water mark of a fresh process per variant, reported on top of
+the process after building the model, so the numbers do not bleed into each other.
 
     python benchmarks/bench_e2e.py              # batch 4 x 256 tokens
     python benchmarks/bench_e2e.py --quick      # batch 2 x 128 tokens
@@ -21,12 +26,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 # benchmarks.common first: it sets the OpenMP wait policy before torch is loaded.
-from benchmarks.common import bench_arguments, report, time_interleaved  # noqa: E402
+from benchmarks.common import bench_arguments, in_fresh_process, report, time_interleaved  # noqa: E402
+from benchmarks.step_profile import job_training_step, large_gemm_rate, record_matmuls  # noqa: E402
 import torch  # noqa: E402
 from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
 from transformers.utils import logging  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
 from kimi_k3.kernels.fused_situ import use_fused_situ  # noqa: E402
+from kimi_k3.optim.precision import cpu_has_native_bf16  # noqa: E402
 from modeling_kimi_k3 import KimiK3ForCausalLM  # noqa: E402
 
 VARIANTS = {  # name -> (model family, bf16 autocast)
@@ -35,6 +42,7 @@ VARIANTS = {  # name -> (model family, bf16 autocast)
     "KimiLinear (HF) fp32": ("kimi_linear", False),
     "KimiLinear (HF) bf16 autocast": ("kimi_linear", True),
 }
+JOB_STEP = "Kimi K3 as kimi-k3-train (Per-Head Muon, QB, QK-Clip) fp32"
 BASELINE = "KimiLinear (HF) fp32"
 COMPILE_TIMEOUT_S = 900
 COMPILED_STEPS = 4
@@ -103,24 +111,43 @@ def batch(quick: bool) -> torch.Tensor:
     return torch.randint(3, vocab_size, (batch_size, seq_len), generator=torch.Generator().manual_seed(0))
 
 
-def throughput(quick: bool, repeats: int) -> list[dict]:
+def throughput(quick: bool, repeats: int) -> tuple[list[dict], dict]:
+    """Rows of the AdamW variants and the job's step, and the job step's floor: all timed interleaved in one run."""
     input_ids = batch(quick)
+    floor = record_matmuls(*input_ids.shape)
     models = {family: build(family) for family in ("k3", "kimi_linear")}
     steps = {name: training_step(models[family], input_ids, autocast) for name, (family, autocast) in VARIANTS.items()}
-    times = time_interleaved(steps, repeats=repeats)
+    job_step = job_training_step(*input_ids.shape)
+    steps[JOB_STEP] = job_step
+    floors = {"job step matmul floor, fp32": floor.replay()}
+    if cpu_has_native_bf16():
+        floors["job step matmul floor, bf16"] = floor.replay(torch.bfloat16)
+    times = time_interleaved({**steps, **floors}, repeats=repeats)
     rows = []
-    for name, seconds in times.items():
-        family, _ = VARIANTS[name]
+    for name in steps:
+        parameters = job_step.model.parameters() if name == JOB_STEP else models[VARIANTS[name][0]].parameters()
         rows.append(
             {
                 "variant": name,
-                "params M": sum(p.numel() for p in models[family].parameters()) / 1e6,
-                "step ms": 1e3 * seconds,
-                "tokens/s": input_ids.numel() / seconds,
-                f"vs {BASELINE}": times[BASELINE] / seconds,
+                "params M": sum(p.numel() for p in parameters) / 1e6,
+                "step ms": 1e3 * times[name],
+                "tokens/s": input_ids.numel() / times[name],
+                f"vs {BASELINE}": times[BASELINE] / times[name],
             }
         )
-    return rows
+    gemm = large_gemm_rate()
+    floor_row = {
+        "job step ms": 1e3 * times[JOB_STEP],
+        **{f"{name} ms": 1e3 * times[name] for name in floors},
+        "step / fp32 floor": times[JOB_STEP] / times["job step matmul floor, fp32"],
+        "matmul GFLOP / step": floor.flops / 1e9,
+        "matmul calls / step": floor.count,
+        "step GFLOP/s": floor.flops / times[JOB_STEP] / 1e9,
+        "large fp32 GEMM GFLOP/s": gemm / 1e9,
+        "share of large-GEMM rate %": 100 * floor.flops / times[JOB_STEP] / gemm,
+        f"job step vs {BASELINE}": times[BASELINE] / times[JOB_STEP],
+    }
+    return rows, floor_row
 
 
 def _resident_mib(field: str) -> float:
@@ -172,26 +199,21 @@ def _compile_child(quick: bool, queue) -> None:
 
 def try_compile(quick: bool) -> dict:
     """torch.compile(model) training steps in a fresh process with a deadline, or why it is not usable on CPU."""
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    process = context.Process(target=_compile_child, args=(quick, queue))
-    process.start()
-    process.join(COMPILE_TIMEOUT_S)
-    if process.is_alive():
-        process.terminate()
-        process.join()
-        return {"error": f"no compiled training step within {COMPILE_TIMEOUT_S} s"}
-    return queue.get() if not queue.empty() else {"error": f"compile process exited with code {process.exitcode}"}
+    return in_fresh_process(_compile_child, (quick,), COMPILE_TIMEOUT_S)
 
 
 def run(quick: bool = False, repeats: int | None = None, compile_model: bool = False) -> dict:
     logging.set_verbosity_error()  # kimi_linear warns once that flash-linear-attention is absent
     repeats = repeats or 3
-    rows = throughput(quick, repeats)
+    rows, floor = throughput(quick, repeats)
     for row in rows:
-        row["after build MiB"], row["step peak +MiB"] = peak_memory(*VARIANTS[row["variant"]], quick)
-    tables = [{"caption": f"Training step (batch {tuple(batch(quick).shape)}), AdamW; speedup vs {BASELINE}.",
-               "columns": list(rows[0]), "rows": rows}]
+        if row["variant"] in VARIANTS:
+            row["after build MiB"], row["step peak +MiB"] = peak_memory(*VARIANTS[row["variant"]], quick)
+    tables = [{"caption": f"Training step (batch {tuple(batch(quick).shape)}), AdamW unless noted; speedup vs "
+                          f"{BASELINE}.", "columns": list(dict.fromkeys(key for row in rows for key in row)),
+               "rows": rows},
+              {"caption": "The job's step against its own matmul floor (the same products back to back), and its "
+                          "FLOP rate as a share of a large GEMM's.", "columns": list(floor), "rows": [floor]}]
     notes = ["KimiLinear runs its experts at full width (ours in the 128-wide latent), uses the softplus decay "
              "gate, SiLU and no Block Attention Residuals, and its KDA is transformers' torch fallback kernel."]
     if compile_model:

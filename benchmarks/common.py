@@ -10,6 +10,7 @@ import argparse
 import datetime
 import gc
 import json
+import multiprocessing
 import os
 import platform
 import time
@@ -62,6 +63,20 @@ def forward_backward(forward: Callable[[], torch.Tensor]) -> Callable[[], None]:
         output.float().square().mean().backward()
 
     return step
+
+
+def in_fresh_process(target: Callable, args: tuple, timeout_s: float) -> dict:
+    """``target(*args, queue)`` in a spawned process: the dict it puts on the queue, or why none came within the time."""
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(target=target, args=(*args, queue))
+    process.start()
+    process.join(timeout_s)
+    if process.is_alive():
+        process.terminate()
+        process.join()
+        return {"error": f"not done within {timeout_s} s"}
+    return queue.get() if not queue.empty() else {"error": f"the process exited with code {process.exitcode}"}
 
 
 def zero_grads(*modules_or_tensors) -> None:

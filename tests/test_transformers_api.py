@@ -186,6 +186,15 @@ BORROWED_API = [
                 "kimi_k3.kernels.compiled.isa_safe_compile_caches: kernels compiled under ATEN_CPU_CAPABILITY=avx2 never "
                 "reach (or come from) an unrestricted process's cache",
                 lambda: hasattr(importlib.import_module("torch._inductor.config"), "fx_graph_cache")),
+    # Benchmarks only: torch keeps no public way to see every ATen call of a backward pass, or the compiler's phases.
+    BorrowedApi("torch.utils._python_dispatch.TorchDispatchMode",
+                "benchmarks/step_profile.py records the shapes of every matrix product of a training step, forward, "
+                "backward and optimizer, to replay them as the step's floor",
+                lambda: hasattr(importlib.import_module("torch.utils._python_dispatch"), "TorchDispatchMode")),
+    BorrowedApi("torch._dynamo.utils.compile_times",
+                "benchmarks/bench_compile.py reports where torch.compile spends its time (tracing, AOT autograd, "
+                "inductor, the C++ compiler)",
+                lambda: callable(getattr(importlib.import_module("torch._dynamo.utils"), "compile_times", None))),
 ]
 
 

@@ -32,6 +32,8 @@ from kimi_k3.job.trainer import KimiK3Trainer, SaveError
 from kimi_k3.text import corpus as data
 from kimi_k3.job.expert_load import PLOT_EXTRA, ExpertLoadRecorder, matplotlib_available, token_share
 from kimi_k3.publishing.model_card import render_model_card
+from kimi_k3.optim.muon import PerHeadMuon
+from kimi_k3.policies.qk_clip import QKClip
 from kimi_k3.policies.quantile_balancing import QuantileBalancing
 from kimi_k3.text.tokenizer import load_tokenizer, train_bpe_tokenizer
 from modeling_kimi_k3 import KimiK3ForCausalLM
@@ -831,10 +833,12 @@ import sys, tempfile, torch
 from transformers.trainer_utils import enable_full_determinism
 from configuration_kimi_k3 import KimiK3Config
 from kimi_k3.job import arguments
+from kimi_k3.job.trainer import skip_filling_uninitialized_memory
 from modeling_kimi_k3 import KimiK3ForCausalLM
 args = arguments.parse_args(["--output_dir", tempfile.mkdtemp()])[3]
 if args.full_determinism:
     enable_full_determinism(args.seed)  # what Trainer does with it
+    skip_filling_uninitialized_memory()  # and what the job's Trainer adds
 model = KimiK3ForCausalLM(KimiK3Config(vocab_size=4096)).train()
 ids = torch.randint(3, 4096, (8, 128), generator=torch.Generator().manual_seed(1))
 def gradients():
@@ -854,6 +858,46 @@ def test_job_defaults_make_a_two_thread_cpu_backward_repeat_bit_for_bit():
     result = subprocess.run([sys.executable, "-c", REPEATED_BACKWARD], env=env, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def _deterministic_job_steps(fill_uninitialized_memory: bool, steps: int = 2) -> list[torch.Tensor]:
+    """Weights and router biases after ``steps`` of the job's optimizer and policies, under deterministic kernels."""
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = fill_uninitialized_memory
+    try:
+        torch.manual_seed(0)
+        model = KimiK3ForCausalLM(tiny_config()).train()
+        optimizer = PerHeadMuon.for_model(model, lr=3e-3, weight_decay=0.1)
+        QuantileBalancing(model).attach(optimizer, model)
+        QKClip(model, 1.0).attach(optimizer, model)  # a low threshold, so that the clip rescales heads
+        ids = torch.randint(3, 97, (3, 37), generator=torch.Generator().manual_seed(1))
+        for _ in range(steps):
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return [tensor.detach().clone() for tensor in (*model.parameters(), *model.buffers())]
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.utils.deterministic.fill_uninitialized_memory = True
+
+
+def test_training_steps_read_no_uninitialized_memory_so_skipping_the_fill_keeps_every_bit():
+    """The job's Trainer turns off torch's NaN-filling of new tensors under deterministic algorithms: were any kernel of
+    the step reading memory it never wrote, the filled run would differ (NaN) from the unfilled one."""
+    filled, unfilled = _deterministic_job_steps(True), _deterministic_job_steps(False)
+    assert all(torch.isfinite(tensor).all() for tensor in filled)
+    assert [torch.equal(a, b) for a, b in zip(filled, unfilled)] == [True] * len(filled)
+
+
+def test_the_job_trainer_skips_the_fill_only_under_full_determinism(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
+    model = KimiK3ForCausalLM(tiny_config())
+    for full_determinism, filled in ((False, True), (True, False)):
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), full_determinism=full_determinism,
+                                              report_to="none", use_cpu=True)
+        KimiK3Trainer(model=model, args=args)
+        assert torch.utils.deterministic.fill_uninitialized_memory is filled
+    torch.use_deterministic_algorithms(False)
 
 
 def test_final_evaluation_reuses_an_evaluation_the_trainer_ran_at_the_last_step():

@@ -391,3 +391,28 @@ def test_shared_basis_banks_are_orthogonalised_per_expert_block_and_coefficients
     assert_as_accurate(update, scale * zeropower_via_newton_schulz5(blocks, dtype=torch.float32),
                        scale * zeropower_via_newton_schulz5(blocks.double(), dtype=torch.float64),
                        what="basis blocks")
+
+
+def fresh_tensor_newton_schulz5(blocks, dtype, steps, eps=1e-7):
+    """NS5 as Keller Jordan's Muon writes it, every product a new tensor: the reference for the buffered loop."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = blocks.to(dtype)
+    tall = x.size(-2) > x.size(-1)
+    x = x.mT if tall else x
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if tall else x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_newton_schulz_into_reused_buffers_is_bitwise_the_fresh_tensor_loop(dtype):
+    generator = torch.Generator().manual_seed(7)
+    for _ in range(4):
+        count, rows, cols = (int(n) for n in torch.randint(1, 40, (3,), generator=generator))
+        for shape in ((count, rows, cols), (count, cols, rows), (count, rows, rows)):
+            blocks = torch.randn(shape, generator=generator)
+            for steps in (1, 2, 5):
+                buffered = zeropower_via_newton_schulz5(blocks, steps=steps, dtype=dtype)
+                assert torch.equal(buffered, fresh_tensor_newton_schulz5(blocks, dtype, steps)), (shape, steps)
