@@ -145,7 +145,7 @@ class Preset:
 
 
 PRESETS = {
-    # The balancing, optimizer and activation rows at 2 seeds in about 25 minutes on 2 CPU cores (eager SiTU: the
+    # The balancing, optimizer and activation rows at 2 seeds in about 5 minutes on 2 idle CPU cores (eager SiTU: the
     # compile would cost more than these few steps gain from it).
     "quick": Preset(
         rows=(BASELINE, "sign-balancing", "aux-loss", "no-balancing", "whole-matrix-muon", "adamw", "swiglu"),
