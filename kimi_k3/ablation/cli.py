@@ -4,6 +4,7 @@
     kimi-k3-ablate --preset full --output_dir ablations/full         # hours; rerun the same command to continue
     kimi-k3-ablate --preset quick --rows sign-balancing adamw --seeds 0 --max_steps 10
     kimi-k3-ablate --preset quick --job_args '--save_steps 10'        # more kimi-k3-train options for every run
+    kimi-k3-ablate --preset full --output_dir ablations/full --report_only  # the report of the runs so far
     kimi-k3-ablate --list                                            # the rows and what each changes
 
 Bad input (an unknown preset or row, a row that cannot apply to the model) stops it with one line before any run.
@@ -33,6 +34,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config_overrides", help="JSON KimiK3Config fields over the preset's baseline model")
     parser.add_argument("--job_args", default="",
                         help="more kimi-k3-train options for every run, one string, e.g. '--save_steps 10'")
+    parser.add_argument("--report_only", action="store_true",
+                        help="write the report of the runs finished so far, train nothing")
     parser.add_argument("--list", action="store_true", help="print the rows and presets, run nothing")
     return parser.parse_args(argv)
 
@@ -72,24 +75,31 @@ def main(argv: list[str] | None = None) -> int:
         runs = plan(matrix)
         for run in runs:
             run.finished()  # a folder of other settings is refused here, before anything runs
-        lock = run_folder.OutputFolderLock(matrix.output_dir, ".kimi-k3-ablate.lock").acquire()
+        # Reading finished runs needs no lock (their results are written atomically): a report of a matrix that is
+        # still training may be written beside it.
+        lock = None if args.report_only else \
+            run_folder.OutputFolderLock(matrix.output_dir, ".kimi-k3-ablate.lock").acquire()
     except ValueError as error:
         print(f"kimi-k3-ablate: error: {error}", file=sys.stderr)
         return 2
     try:
-        failures = run_matrix(matrix, runs)
-        results = {}
+        failures = [] if args.report_only else run_matrix(matrix, runs)
+        results, machines, unfinished = {}, [], []
         for run in runs:
             finished = run.finished()
-            if finished is not None:
-                results.setdefault(run.row.name, []).append(finished["metrics"])
+            if finished is None:
+                unfinished.append(f"{run.row.name} seed {run.seed}")
+                continue
+            results.setdefault(run.row.name, []).append(finished["metrics"])
+            machines.append(finished.get("machine"))
         rows = [row for row in matrix.rows if row.name in results]
         command = shlex.join(["kimi-k3-ablate", *(sys.argv[1:] if argv is None else argv)])
         report = write_report(matrix.output_dir, command, rows, results, matrix.max_steps, failures,
-                              time.perf_counter() - start)
+                              time.perf_counter() - start, machines, unfinished)
     finally:
-        lock.release()
-    print(f"kimi-k3-ablate: {len(runs) - len(failures)} of {len(runs)} runs finished; report in {report}")
+        if lock is not None:
+            lock.release()
+    print(f"kimi-k3-ablate: {len(runs) - len(unfinished)} of {len(runs)} runs finished; report in {report}")
     return 1 if failures else 0
 
 

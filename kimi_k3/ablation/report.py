@@ -59,16 +59,38 @@ def difference(row: list[float], baseline: list[float], form: str) -> str:
     return text + (" **yes**" if abs(delta) > 2 * pooled else " no")
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
+def cpu_name() -> str:
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
         names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
                  if line.startswith("model name")]
-        cpu = names[0] if names else cpu
+        if names:
+            return names[0]
+    return platform.processor() or platform.machine()
+
+
+def run_machine() -> str:
+    """What a run's numbers depend on besides its settings: a CPU kind rounds differently (its kernels dispatch on
+    the instruction set), and so may another thread count."""
+    return (f"{cpu_name()}, torch CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+            f"{torch.get_num_threads()} threads")
+
+
+def machine() -> str:
     load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
-    return (f"{cpu}, {os.cpu_count()} cores visible, torch CPU capability "
-            f"{torch.backends.cpu.get_cpu_capability()}{load} when the report was written")
+    return f"{cpu_name()}, {os.cpu_count()} cores visible, torch CPU capability " \
+        f"{torch.backends.cpu.get_cpu_capability()}{load} when the report was written"
+
+
+def run_machines(machines: list[str | None]) -> list[str]:
+    """A line per machine the runs were measured on, with how many runs each; a matrix resumed elsewhere says so."""
+    counts: dict[str, int] = {}
+    for name in machines:
+        counts[name or "not recorded"] = counts.get(name or "not recorded", 0) + 1
+    if len(counts) == 1:
+        return [f"- the runs were trained on: {next(iter(counts))}"]
+    return ["- the runs were trained on different machines (a CPU kind rounds differently, so differences of that "
+            "order between rows do not mean anything):", *(f"  - {count} runs: {name}" for name, count in counts.items())]
 
 
 def versions() -> str:
@@ -133,14 +155,17 @@ def curves_png(rows: list, results: dict[str, list[dict]], key: str, ylabel: str
 
 
 def write_report(output_dir: Path, command: str, rows: list, results: dict[str, list[dict]], steps: int,
-                 failures: list[str], wall_time_s: float) -> Path:
-    """``README.md`` and, with matplotlib, the two PNGs, in ``output_dir``; returns the report's path."""
+                 failures: list[str], wall_time_s: float, machines: list[str | None],
+                 unfinished: list[str] = ()) -> Path:
+    """``README.md`` and, with matplotlib, the two PNGs, in ``output_dir``; returns the report's path. ``machines``
+    holds each finished run's `run_machine`, ``unfinished`` names the runs of the matrix not trained yet."""
     lines = [
         "# Ablation report", "",
         f"- command: `{command}`",
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         f"- machine: {machine()}",
         f"- versions: {versions()}",
+        *run_machines(machines),
         f"- {steps} optimizer steps per run; the runs' jobs took {run_minutes(results):.1f} min in all (their own "
         f"clocks, across resumes); this invocation of kimi-k3-ablate took {wall_time_s / 60:.1f} min",
         "",
@@ -161,6 +186,9 @@ def write_report(output_dir: Path, command: str, rows: list, results: dict[str, 
         lines += [f"![training loss]({LOSS_PNG})", "", f"![MaxVio]({MAX_VIO_PNG})", ""]
     else:
         lines += [f"No curves: matplotlib is not installed ({PLOT_EXTRA}).", ""]
+    if unfinished:
+        lines += [f"Runs not finished (the same command without --report_only trains them): {', '.join(unfinished)}.",
+                  ""]
     if failures:
         lines += ["Failed runs (not in the table):", "", *(f"- {failure}" for failure in failures), ""]
     path = output_dir / REPORT_NAME

@@ -22,6 +22,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 import kimi_k3
 from kimi_k3.ablation.measure import measure_run
+from kimi_k3.ablation.report import run_machine
 from kimi_k3.ablation.rows import AblationError, Preset, Row, check_applies, select_rows
 from kimi_k3.checkpoint import run_folder
 from kimi_k3.job.arguments import parse_args
@@ -198,7 +199,7 @@ def job_environment() -> dict[str, str]:
 
 def write_result(run: PlannedRun, metrics: dict) -> None:
     record = {"row": run.row.name, "seed": run.seed, "argv": list(run.argv), "metrics": metrics,
-              "measured": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+              "machine": run_machine(), "measured": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     staged = run.result_file.with_name(run_folder.staging_name(run.result_file.name, run_folder.new_tag()))
     staged.write_text(json.dumps(record, indent=1) + "\n")
     os.replace(staged, run.result_file)

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from kimi_k3.ablation import cli
-from kimi_k3.ablation.report import difference, mean_and_std, mean_curve
+from kimi_k3.ablation.report import difference, mean_and_std, mean_curve, run_machines
 from kimi_k3.ablation.rows import QUICK_MODEL, ROWS, AblationError, check_applies
 from kimi_k3.text import corpus as data
 from tests.conftest import ROOT, TINY_CONFIG
@@ -72,6 +72,13 @@ def test_difference_is_flagged_only_beyond_twice_the_pooled_seed_spread():
     assert mean_and_std([1.0, 2.0, 3.0], "{:.2f}") == "2.00 ± 1.00"
 
 
+def test_a_matrix_trained_on_several_machines_says_so_with_the_runs_of_each():
+    assert run_machines(["AMD EPYC, AVX2", "AMD EPYC, AVX2"]) == ["- the runs were trained on: AMD EPYC, AVX2"]
+    lines = run_machines(["AMD EPYC, AVX2", "Xeon, AVX512", None, "AMD EPYC, AVX2"])
+    assert lines[0].startswith("- the runs were trained on different machines")
+    assert lines[1:] == ["  - 2 runs: AMD EPYC, AVX2", "  - 1 runs: Xeon, AVX512", "  - 1 runs: not recorded"]
+
+
 def test_curves_average_over_seeds_at_the_steps_every_seed_logged():
     runs = [{"loss_curve": [[1, 4.0], [2, 3.0], [4, 1.0]]}, {"loss_curve": [[1, 2.0], [2, 5.0]]}]
     assert mean_curve(runs, "loss_curve") == [(1, 3.0), (2, 4.0)]
@@ -118,6 +125,9 @@ def test_matrix_writes_its_report_skips_finished_runs_and_resumes_a_killed_one_t
     assert first["baseline"]["metrics"]["max_vio_curve"] != first["sign-balancing"]["metrics"]["max_vio_curve"]
     assert "| `sign-balancing` | +" in report or "| `sign-balancing` | -" in report
     assert (out / "loss_curves.png").read_bytes()[:4] == b"\x89PNG" and (out / "max_vio_curves.png").is_file()
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert f"capability {capability}" in first["baseline"]["machine"]  # the CPU kind its rounding came from
+    assert f"- the runs were trained on: {first['baseline']['machine']}" in report
     assert "[1/2] baseline seed 0 done in" in printed and "1 left, about " in printed
     assert "[2/2] sign-balancing seed 0 done in" in printed and "all done" in printed
     bias_key = "model.layers.1.block_sparse_moe.gate.e_score_correction_bias"
@@ -138,6 +148,11 @@ def test_matrix_writes_its_report_skips_finished_runs_and_resumes_a_killed_one_t
                               stderr=subprocess.DEVNULL)
     kill_when(killed, sign / "seed-0" / "checkpoint-2")
     assert not (sign / "seed-0.json").exists()
+    status, printed, _ = run_cli([*matrix_args(out, corpus), "--report_only"])
+    report = (out / "README.md").read_text()
+    assert status == 0 and "1 of 2 runs finished" in printed and "training" not in printed
+    assert "| `baseline` |" in report and "| `sign-balancing` |" not in report
+    assert "Runs not finished (the same command without --report_only trains them): sign-balancing seed 0." in report
     status, printed, _ = run_cli(matrix_args(out, corpus))
     assert status == 0 and "[2/2] sign-balancing seed 0: resuming from checkpoint-2" in printed
     resumed = results(out)["sign-balancing"]["metrics"]
