@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             if finished is None:
                 unfinished.append(f"{run.row.name} seed {run.seed}")
                 continue
-            results.setdefault(run.row.name, []).append(finished["metrics"])
+            results.setdefault(run.row.name, []).append({**finished["metrics"], "seed": run.seed})
             machines.append(finished.get("machine"))
         rows = [row for row in matrix.rows if row.name in results]
         command = shlex.join(["kimi-k3-ablate", *(sys.argv[1:] if argv is None else argv)])

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from kimi_k3.ablation import cli
-from kimi_k3.ablation.report import difference, mean_and_std, mean_curve, run_machines
+from kimi_k3.ablation.report import difference, mean_and_std, mean_curve, paired_difference, run_machines
 from kimi_k3.ablation.rows import QUICK_MODEL, ROWS, AblationError, check_applies
 from kimi_k3.text import corpus as data
 from tests.conftest import ROOT, TINY_CONFIG
@@ -72,6 +72,16 @@ def test_difference_is_flagged_only_beyond_twice_the_pooled_seed_spread():
     assert mean_and_std([1.0, 2.0, 3.0], "{:.2f}") == "2.00 ± 1.00"
 
 
+def test_paired_difference_compares_the_per_seed_differences_with_their_own_spread():
+    baseline = {0: 1.0, 1: 1.2, 2: 1.4}  # a seed spread of 0.2: unpaired, a shift of 0.1 is far inside it
+    row = {0: 1.11, 1: 1.29, 2: 1.5, 3: 9.0}  # seed 3 has no baseline run and is left out
+    assert difference(list(row.values())[:3], list(baseline.values()), "{:.2f}") == "+0.10 no"
+    assert paired_difference(row, baseline, "{:.2f}") == "+0.10 ± 0.01 **yes**"  # d = 0.11, 0.09, 0.10
+    assert paired_difference({0: 1.3, 1: 1.1}, {0: 1.0, 1: 1.2}, "{:.2f}") == "+0.10 ± 0.28 no"
+    assert paired_difference({0: 1.5}, {0: 1.0}, "{:.1f}") == "+0.5"  # one common seed: no spread
+    assert paired_difference({1: 1.5}, {0: 1.0}, "{:.1f}") == "no common seed"
+
+
 def test_a_matrix_trained_on_several_machines_says_so_with_the_runs_of_each():
     assert run_machines(["AMD EPYC, AVX2", "AMD EPYC, AVX2"]) == ["- the runs were trained on: AMD EPYC, AVX2"]
     lines = run_machines(["AMD EPYC, AVX2", "Xeon, AVX512", None, "AMD EPYC, AVX2"])
@@ -124,6 +134,7 @@ def test_matrix_writes_its_report_skips_finished_runs_and_resumes_a_killed_one_t
     assert first["baseline"]["metrics"]["total_parameters"] == first["sign-balancing"]["metrics"]["total_parameters"]
     assert first["baseline"]["metrics"]["max_vio_curve"] != first["sign-balancing"]["metrics"]["max_vio_curve"]
     assert "| `sign-balancing` | +" in report or "| `sign-balancing` | -" in report
+    assert "| `sign-balancing` | 0 | +" in report or "| `sign-balancing` | 0 | -" in report  # paired by seed 0
     assert (out / "loss_curves.png").read_bytes()[:4] == b"\x89PNG" and (out / "max_vio_curves.png").is_file()
     capability = torch.backends.cpu.get_cpu_capability()
     assert f"capability {capability}" in first["baseline"]["machine"]  # the CPU kind its rounding came from
