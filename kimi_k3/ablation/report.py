@@ -9,6 +9,7 @@ table compares the per-seed differences d_s = row_s − baseline_s with their ow
 share and so sees smaller effects than the unpaired one.
 """
 
+import collections
 import importlib.metadata
 import io
 import math
@@ -87,9 +88,7 @@ def machine() -> str:
 
 def run_machines(machines: list[str | None]) -> list[str]:
     """A line per machine the runs were measured on, with how many runs each; a matrix resumed elsewhere says so."""
-    counts: dict[str, int] = {}
-    for name in machines:
-        counts[name or "not recorded"] = counts.get(name or "not recorded", 0) + 1
+    counts = collections.Counter(name or "not recorded" for name in machines)
     if len(counts) == 1:
         return [f"- the runs were trained on: {next(iter(counts))}"]
     return ["- the runs were trained on different machines (a CPU kind rounds differently, so differences of that "
@@ -190,7 +189,7 @@ def curves_png(rows: list, results: dict[str, list[dict]], key: str, ylabel: str
 
 def write_report(output_dir: Path, command: str, rows: list, results: dict[str, list[dict]], steps: int,
                  failures: list[str], wall_time_s: float, machines: list[str | None],
-                 unfinished: list[str] = ()) -> Path:
+                 unfinished: list[str]) -> Path:
     """``README.md`` and, with matplotlib, the two PNGs, in ``output_dir``; returns the report's path. ``machines``
     holds each finished run's `run_machine`, ``unfinished`` names the runs of the matrix not trained yet."""
     lines = [
