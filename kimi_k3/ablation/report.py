@@ -64,20 +64,30 @@ def difference(row: list[float], baseline: list[float], form: str) -> str:
 
 
 def cpu_name() -> str:
+    """The CPU's model name and, where Linux gives them, its family and model numbers: an "AMD EPYC" can be any of
+    several generations, which differ in speed and may differ in what they run fast."""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
-        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-                 if line.startswith("model name")]
-        if names:
-            return names[0]
+        first = {}
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            first.setdefault(key.strip(), value.strip())
+        if first.get("model name"):
+            numbers = (f" (family {first['cpu family']} model {first['model']})"
+                       if first.get("cpu family") and first.get("model") else "")
+            return first["model name"] + numbers
     return platform.processor() or platform.machine()
+
+
+RESTRICTIONS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
 
 
 def run_machine() -> str:
     """What a run's numbers depend on besides its settings: a CPU kind rounds differently (its kernels dispatch on
-    the instruction set), and so may another thread count."""
-    return (f"{cpu_name()}, torch CPU capability {torch.backends.cpu.get_cpu_capability()}, "
-            f"{torch.get_num_threads()} threads")
+    the instruction set, which the variables in ``RESTRICTIONS`` can lower), and so may another thread count."""
+    restricted = " ".join(f"{name}={os.environ[name]}" for name in RESTRICTIONS if os.environ.get(name))
+    return (f"{cpu_name()}, torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
+            f"{f' ({restricted})' if restricted else ''}, {torch.get_num_threads()} threads")
 
 
 def machine() -> str:

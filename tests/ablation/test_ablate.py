@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kimi_k3.ablation import cli
+from kimi_k3.ablation import cli, report
 from kimi_k3.ablation.report import difference, mean_and_std, mean_curve, paired_difference, run_machines
 from kimi_k3.ablation.rows import QUICK_MODEL, ROWS, AblationError, check_applies
 from kimi_k3.text import corpus as data
@@ -87,6 +87,15 @@ def test_a_matrix_trained_on_several_machines_says_so_with_the_runs_of_each():
     lines = run_machines(["AMD EPYC, AVX2", "Xeon, AVX512", None, "AMD EPYC, AVX2"])
     assert lines[0].startswith("- the runs were trained on different machines")
     assert lines[1:] == ["  - 2 runs: AMD EPYC, AVX2", "  - 1 runs: Xeon, AVX512", "  - 1 runs: not recorded"]
+
+
+def test_a_runs_machine_names_the_instruction_set_restrictions_it_ran_under(monkeypatch):
+    """A CPU restricted to AVX2 runs AVX2 kernels but at its own speed: the record must tell it from a real AVX2 CPU."""
+    for name in report.RESTRICTIONS:
+        monkeypatch.delenv(name, raising=False)
+    assert "(" not in report.run_machine().split("capability", 1)[1]
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert f"capability {torch.backends.cpu.get_cpu_capability()} (ONEDNN_MAX_CPU_ISA=AVX2), " in report.run_machine()
 
 
 def test_curves_average_over_seeds_at_the_steps_every_seed_logged():
