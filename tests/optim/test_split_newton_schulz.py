@@ -19,7 +19,6 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils.flop_counter import FlopCounterMode
 
 from configuration_kimi_k3 import KimiK3Config
-from kimi_k3.optim.precision import cpu_has_native_bf16
 from kimi_k3.optim.muon import (
     NS_STEPS,
     PerHeadMuon,
@@ -228,9 +227,6 @@ def single_process():
 def test_split_newton_schulz_is_bitwise_the_single_process_update_over_steps_with_momentum(
     config, layout, launched, single_process
 ):
-    if config != "default" and cpu_has_native_bf16():
-        pytest.xfail("known defect: with bf16 Newton-Schulz (the auto precision on a CPU with native bf16, seen on an "
-                     "AMD EPYC of family 26) the tiny models' split update differs from one process's; fp32 is bitwise")
     result, expected_state = launched[config][layout], single_process[config]["state"]
     assert result["state"].keys() == expected_state.keys()
     for name, expected in expected_state.items():
