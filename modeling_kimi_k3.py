@@ -1035,9 +1035,11 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         std = self.config.initializer_range
         if isinstance(module, KimiK3DeltaAttention):
-            # Kimi Linear / FLA initialisation: A ~ U(1, 16) per head, dt ~ logU(1e-3, 1e-1) through softplus⁻¹.
-            init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(1.0, 16.0).log())
-            dt = torch.empty_like(module.dt_bias).uniform_(torch.tensor(1e-3).log().item(), torch.tensor(1e-1).log().item())
+            # Kimi Linear / FLA initialisation: A ~ U(1, 16) per head, dt ~ logU(1e-3, 1e-1) through softplus⁻¹. The
+            # logarithms and exponentials run in float64 and round once: in float32 their last bit comes from the CPU's
+            # math library (MKL takes another code path on AMD than on Intel), and so would the initial weights.
+            init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(1.0, 16.0).double().log())
+            dt = torch.empty_like(module.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).double()
             dt = dt.exp().clamp_min(1e-4)
             init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))
         elif isinstance(module, (KimiK3RMSNorm, KimiK3GatedRMSNorm)):

@@ -11,7 +11,8 @@ A Muon group may tag its parameters with
   (``moe_intermediate_size`` splits the fused ``gate_up_proj`` into the released w1 and w3; ``R`` keeps
   ``down_proj`` whole).
 
-Every block, of every parameter, that has the same shape goes through one batched Newton–Schulz chain.
+Blocks of one shape, of every parameter, share batched Newton–Schulz calls (:mod:`kimi_k3.optim.newton_schulz`: each
+call a fixed number of blocks, so that a block's result depends on that block alone).
 
 Under torch.distributed, Newton–Schulz is split across the ranks (:mod:`kimi_k3.optim.split_newton_schulz`): each rank
 orthogonalises about 1/N of the blocks and the results are exchanged, for replicated (DDP) parameters and for
@@ -35,9 +36,14 @@ from torch.optim.adamw import adamw
 
 from checkpoint_format_kimi_k3 import EXPERT_LAYOUT, expert_block_rows
 from variants_kimi_k3 import BASIS_OF_EXPERT_TENSOR
+from kimi_k3.optim.newton_schulz import (
+    NS_STEPS,
+    NewtonSchulzQueue,
+    orthogonalize_by_shape,
+)
 from kimi_k3.optim.precision import matmul_dtype
 from kimi_k3.parallel.shard_layout import LayoutError, check_local_shard
-from kimi_k3.optim.newton_schulz_exchange import CutBlockExchange, assemble_sharded, orthogonalize_replicated
+from kimi_k3.optim.newton_schulz_exchange import CutBlockExchange, HomeBlocks, orthogonalize_replicated
 from kimi_k3.optim.split_newton_schulz import (
     Domain,
     ShardedPlan,
@@ -48,40 +54,12 @@ from kimi_k3.optim.split_newton_schulz import (
     split_domain,
 )
 
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-NS_STEPS = 5
-NS_EPS = 1e-7
 # Moonlight update-RMS matching: 0.2·sqrt(max(rows, cols)) gives an AdamW-like update RMS of ~0.2 (Moonlight, arXiv:2502.16982).
 MATCH_RMS_ADAMW = 0.2
 
 _KDA_HEAD_PROJS = ("q_proj", "k_proj", "v_proj")
 _MLA_QUERY_PROJS = ("q_b_proj", "q_proj")
 LAYER_PARAM = re.compile(r"layers\.(\d+)\.self_attn\.(\w+)\.weight$")
-
-
-def zeropower_via_newton_schulz5(blocks, coefficients=NS_COEFFICIENTS, steps=NS_STEPS, eps=NS_EPS,
-                                 dtype=torch.bfloat16):
-    """Approximate polar factor U·S'·Vᵀ (S' ≈ 1) of every matrix in ``blocks`` [n, rows, cols], computed in ``dtype``.
-
-    Each matrix is Frobenius-normalized on its own, which is what decouples the heads (K3 report §2.5). NS5 only
-    needs S' near 1, so bf16 suffices where it is fast; fp32 gives the same update to bf16 tolerance.
-    """
-    a, b, c = coefficients
-    x = blocks.to(dtype)
-    tall = x.size(-2) > x.size(-1)
-    if tall:
-        x = x.mT
-    x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)
-    # Every product writes into buffers allocated once: on a CPU each fresh 100 MB tensor (the default model's expert
-    # blocks) is new pages to fault in, which made Newton–Schulz 1.34x slower. Same kernels, same bits.
-    gram = x.new_empty(x.shape[0], x.shape[-2], x.shape[-2])
-    polynomial = torch.empty_like(gram)
-    iterates = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(min(steps, 2))]
-    for step in range(steps):
-        torch.bmm(x, x.mT, out=gram)
-        torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=polynomial)
-        x = torch.baddbmm(x, polynomial, x, beta=a, out=iterates[step % 2])
-    return x.mT if tall else x
 
 
 def row_pattern(group):
@@ -127,20 +105,6 @@ def shard_like(update, whole):
     if isinstance(update, DTensor):
         return distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)
     return whole
-
-
-def orthogonalize_by_shape(stacks, dtype=torch.bfloat16):
-    """Run NS5 in ``dtype`` once per distinct block shape over all ``stacks`` of that shape, in input order."""
-    by_shape = defaultdict(list)
-    for index, stack in enumerate(stacks):
-        by_shape[tuple(stack.shape[1:])].append(index)
-    outputs = [None] * len(stacks)
-    for indices in by_shape.values():
-        batch = torch.cat([stacks[i].to(dtype) for i in indices])  # cast first: bf16 halves the bytes to copy
-        pieces = zeropower_via_newton_schulz5(batch, dtype=dtype).split([stacks[i].shape[0] for i in indices])
-        for index, piece in zip(indices, pieces):
-            outputs[index] = piece
-    return outputs
 
 
 def orthogonalize_whole(updates, patterns, dtypes, orthogonalize):
@@ -306,7 +270,9 @@ class PerHeadMuon(torch.optim.Optimizer):
 
     def _sharded_step(self, domain, jobs):
         """Momentum first; then each update is formed twice, once for the pieces of cut blocks that travel and once for
-        this rank's own rows, so that a step holds one parameter's update at a time besides those pieces."""
+        this rank's own rows. The home blocks of every parameter share Newton–Schulz calls through one queue, and a
+        parameter is updated as soon as its last block is done, so a step holds about one parameter's update at a time
+        besides those pieces."""
         plan = self._sharded_plan(domain, jobs)
         rank = dist.get_rank(domain.group)
         buffers = [self._advance_momentum(job) for job in jobs]
@@ -316,11 +282,15 @@ class PerHeadMuon(torch.optim.Optimizer):
             if exchange.holds_cut_pieces(index):
                 exchange.take(index, _local_matrix(self._nesterov_update(job.param, job.group, buffer)))
         results = exchange.run(orthogonalize, domain.group)
+        queue = NewtonSchulzQueue(self.ns_dtype)
         for index, (job, buffer) in enumerate(zip(jobs, buffers)):
-            update, scale = assemble_sharded(plan, rank, index, self._nesterov_update(job.param, job.group, buffer),
-                                             results, orthogonalize, job.param.dtype, self.ns_dtype,
-                                             _match_rms_scale_of_shape)
-            self._apply(job, update, scale)
+            update = self._nesterov_update(job.param, job.group, buffer)
+            home = HomeBlocks(plan, rank, index, update)
+            queue.submit(home.stacks(update), functools.partial(self._apply_assembled, job, home, results))
+        queue.flush()
+
+    def _apply_assembled(self, job, home, results, outputs):
+        self._apply(job, *home.assemble(outputs, results, job.param.dtype, self.ns_dtype, _match_rms_scale_of_shape))
 
     def _sharded_plan(self, domain, jobs) -> ShardedPlan:
         """The block assignment of ``domain`` for these parameters' shapes and layouts, computed once (every rank

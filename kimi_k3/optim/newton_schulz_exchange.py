@@ -3,9 +3,9 @@
 
 Replicated parameters: each rank orthogonalises its own blocks and one all-gather hands every rank every block.
 Sharded parameters: :class:`CutBlockExchange` moves the pieces of cut blocks to their owners and back in two
-all-to-alls of raw bytes (already in the Newton–Schulz dtype), and :func:`assemble_sharded` orthogonalises a
-parameter's home blocks where they lie and puts its rows together. Batching blocks by shape does not change any
-block's result, so every rank ends the step with bitwise the single-process update.
+all-to-alls of raw bytes (already in the Newton–Schulz dtype), and :class:`HomeBlocks` hands a parameter's home blocks,
+where they lie, to Newton–Schulz and puts its rows together. Newton–Schulz is batch-invariant
+(:mod:`kimi_k3.optim.newton_schulz`), so every rank ends the step with bitwise the single-process update.
 """
 
 import math
@@ -52,7 +52,7 @@ def orthogonalize_replicated(updates, patterns, dtypes, group, plan: ReplicatedP
             single = len(scales[block.param]) == 1
             target[block.start:block.stop] = values if single else values.to(target.dtype) * scale_of(*values.shape)
             offset += block.rows * block.cols
-    return [(_like(update, result.view(_local(update).shape)), next(iter(scale)) if len(scale) == 1 else 1.0)
+    return [(_layout_of(update)(result), next(iter(scale)) if len(scale) == 1 else 1.0)
             for update, result, scale in zip(updates, merged, scales)]
 
 
@@ -142,35 +142,49 @@ def _pairs_with(pairs_per_rank, tensors_per_rank):
         yield from zip(pairs, tensors)
 
 
-def assemble_sharded(plan: ShardedPlan, rank: int, param: int, update: torch.Tensor, results, orthogonalize,
-                     dtype: torch.dtype, ns_dtype: torch.dtype, scale_of):
-    """This rank's orthogonalised update of ``param``: its home blocks orthogonalised here, batched by shape, and its
-    pieces of cut blocks from ``results`` (:meth:`CutBlockExchange.run`); (tensor like ``update``, alpha scale), with
-    the rule of :func:`orthogonalize_replicated` for parameters whose blocks have several RMS-matching factors."""
-    tiling, holding = plan.tilings[param], plan.holdings[param][rank]
-    local = _local(update)
-    matrix = _matrix(local)
-    scales = _block_scales(tiling.sizes, tiling.cols, scale_of)
-    single = len(scales) == 1
-    merged = torch.empty(matrix.shape, dtype=ns_dtype if single else dtype, device=matrix.device)
-    by_size = {}
-    for start, size in plan.home_blocks(param, rank):
-        by_size.setdefault(size, []).append(start)
-    stacks = [_row_stack(matrix, starts, size) for size, starts in by_size.items()]
-    for (size, starts), output in zip(by_size.items(), orthogonalize(stacks)):
-        values = output if single else output.to(dtype) * scale_of(size, tiling.cols)
-        if _consecutive(starts, size):
-            merged[starts[0]:starts[0] + len(starts) * size] = values.reshape(-1, tiling.cols)
-        else:
-            for start, block in zip(starts, values):
-                merged[start:start + size] = block
-    for pair in plan.view(rank).held[param]:
-        piece = plan.piece(pair)
-        rows = results[pair]
-        merged[holding.row_slice(piece.row_start, piece.row_stop), holding.col_slice(piece.col_start,
-                                                                                     piece.col_stop)] = (
-            rows if single else rows.to(dtype) * scale_of(plan.cut_block(pair[0])[1], tiling.cols))
-    return _like(update, merged.view(local.shape)), (scales.pop() if single else 1.0)
+class HomeBlocks:
+    """A parameter's blocks that lie whole in this rank's shard (its home blocks), as stacks of one height each, and
+    what turns their orthogonalised rows, with the rank's pieces of cut blocks, back into the parameter's local update.
+
+    It keeps the update's layout, not its values, so the update can be freed once its blocks are submitted."""
+
+    def __init__(self, plan: ShardedPlan, rank: int, param: int, update: torch.Tensor):
+        self.plan, self.rank, self.param = plan, rank, param
+        self.starts_by_size = {}
+        for start, size in plan.home_blocks(param, rank):
+            self.starts_by_size.setdefault(size, []).append(start)
+        matrix = _matrix(_local(update))
+        self.matrix_shape, self.device = matrix.shape, matrix.device
+        self.as_update = _layout_of(update)
+
+    def stacks(self, update: torch.Tensor) -> list[torch.Tensor]:
+        """The home blocks of ``update`` as [n, size, cols] stacks, one per block height (views where they can be)."""
+        matrix = _matrix(_local(update))
+        return [_row_stack(matrix, starts, size) for size, starts in self.starts_by_size.items()]
+
+    def assemble(self, outputs, results, dtype: torch.dtype, ns_dtype: torch.dtype, scale_of):
+        """This rank's orthogonalised update: ``outputs`` of :attr:`stacks`, and the pieces of cut blocks from
+        ``results`` (:meth:`CutBlockExchange.run`); (tensor like the update, alpha scale), with the rule of
+        :func:`orthogonalize_replicated` for parameters whose blocks have several RMS-matching factors."""
+        plan, rank, param = self.plan, self.rank, self.param
+        tiling, holding = plan.tilings[param], plan.holdings[param][rank]
+        scales = _block_scales(tiling.sizes, tiling.cols, scale_of)
+        single = len(scales) == 1
+        merged = torch.empty(self.matrix_shape, dtype=ns_dtype if single else dtype, device=self.device)
+        for (size, starts), output in zip(self.starts_by_size.items(), outputs):
+            values = output if single else output.to(dtype) * scale_of(size, tiling.cols)
+            if _consecutive(starts, size):
+                merged[starts[0]:starts[0] + len(starts) * size] = values.reshape(-1, tiling.cols)
+            else:
+                for start, block in zip(starts, values):
+                    merged[start:start + size] = block
+        for pair in plan.view(rank).held[param]:
+            piece = plan.piece(pair)
+            rows = results[pair]
+            merged[holding.row_slice(piece.row_start, piece.row_stop), holding.col_slice(piece.col_start,
+                                                                                         piece.col_stop)] = (
+                rows if single else rows.to(dtype) * scale_of(plan.cut_block(pair[0])[1], tiling.cols))
+        return self.as_update(merged), (scales.pop() if single else 1.0)
 
 
 def _row_stack(matrix: torch.Tensor, starts: list[int], size: int) -> torch.Tensor:
@@ -193,12 +207,15 @@ def _matrix(local: torch.Tensor) -> torch.Tensor:
     return local.reshape(math.prod(local.shape[:-1]), local.shape[-1])
 
 
-def _like(update: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` as a tensor of ``update``'s kind: a DTensor with its layout, or as it is."""
-    if isinstance(update, DTensor):
-        return DTensor.from_local(local, update.device_mesh, update.placements, run_check=False, shape=update.shape,
-                                  stride=update.stride())
-    return local
+def _layout_of(update: torch.Tensor):
+    """The function that views a [rows, cols] local tensor as a tensor of ``update``'s kind and local shape (a DTensor
+    with its layout, or a plain tensor), holding the layout but not ``update``'s values."""
+    local_shape = _local(update).shape
+    if not isinstance(update, DTensor):
+        return lambda matrix: matrix.view(local_shape)
+    mesh, placements, shape, stride = update.device_mesh, update.placements, update.shape, update.stride()
+    return lambda matrix: DTensor.from_local(matrix.view(local_shape), mesh, placements, run_check=False, shape=shape,
+                                             stride=stride)
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,8 @@ whole. The scheme, for one optimizer step over the N ranks of a process group:
    piece to its holder. Only the home blocks' FLOPs and elements are counted per rank, arithmetically, so a plan of
    the released model (275,000 blocks over hundreds of ranks) takes a few seconds.
 4. Every rank applies the rows it keeps. Newton–Schulz of one block does not depend on the other blocks batched with
-   it, and the transport moves raw bytes, so every rank ends the step with bitwise the single-process update.
+   it (:mod:`kimi_k3.optim.newton_schulz` makes every call the same shape), and the transport moves raw bytes, so every
+   rank ends the step with bitwise the single-process update.
 
 :mod:`kimi_k3.optim.newton_schulz_exchange` runs a step of a plan. Inputs travel already cast to the Newton–Schulz dtype,
 the first thing Newton–Schulz does anyway. A plan's ``exchange_bytes(itemsize)`` gives the bytes every rank sends and
@@ -44,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from kimi_k3.optim.newton_schulz import newton_schulz_flops, queue_flops
 from kimi_k3.parallel.shard_layout import Holding, LayoutError, check_placements, dtensor_holdings, matrix_shape, mesh_holdings
 
 
@@ -59,13 +61,6 @@ class Block:
     @property
     def stop(self) -> int:
         return self.start + self.rows
-
-
-def newton_schulz_flops(rows: int, cols: int, steps: int) -> int:
-    """Matmul FLOPs of ``steps`` Newton–Schulz iterations on one block; with m, n its short and long sides each
-    step multiplies X·Xᵀ (2m²n), (X·Xᵀ)² (2m³) and (...)·X (2m²n)."""
-    m, n = sorted((rows, cols))
-    return steps * (4 * m * m * n + 2 * m**3)
 
 
 def block_sizes(shape, pattern: tuple[int, ...] | None) -> tuple[int, ...]:
@@ -144,6 +139,11 @@ class ReplicatedPlan:
         for block, owner in zip(self.blocks, self.owners):
             loads[owner] += newton_schulz_flops(block.rows, block.cols, self.steps)
         return loads
+
+    def call_flops(self, rank: int) -> int:
+        """Matmul FLOPs of ``rank``'s Newton–Schulz calls: its blocks in whole chunks (:func:`queue_flops`)."""
+        return queue_flops([(self.blocks[index].rows, self.blocks[index].cols) for index in self.owned(rank)],
+                           self.steps)
 
     def exchange_bytes(self, itemsize: int) -> list[tuple[int, int]]:
         """(bytes sent, bytes received) per rank: a ring all-gather of shares padded to the largest."""
@@ -342,6 +342,14 @@ class ShardedPlan:
         for owner, flops in zip(self.cut_owners, self.cut_flops):
             loads[owner] += flops
         return loads
+
+    def call_flops(self, rank: int) -> int:
+        """Matmul FLOPs of ``rank``'s Newton–Schulz calls: the cut blocks it owns, then the home blocks of every
+        parameter, each in whole chunks (:func:`queue_flops`)."""
+        cut = [(self.cut_block(index)[1], self.tilings[self.cut[index][0]].cols) for index in self.view(rank).owned]
+        home = [(size, tiling.cols) for param, tiling in enumerate(self.tilings)
+                for _, size in self.home_blocks(param, rank)]
+        return queue_flops(cut, self.steps) + queue_flops(home, self.steps)
 
     def cut_elements(self) -> dict[str, list[int]]:
         """Per rank, elements of the cut blocks: ``held`` (its pieces of them), ``sent`` (its pieces of blocks others

@@ -375,7 +375,8 @@ def newton_schulz_workspace(plan: ShardedPlan, b) -> float:
     Exchange: its pieces of cut blocks (inputs, then results), the pieces it receives and returns for the blocks it
     owns, and those blocks whole, batched with Newton–Schulz's copies. Then, one parameter at a time: its local
     Nesterov update (gradient dtype), its home blocks batched with Newton–Schulz's copies, and the assembled update,
-    while the cut pieces' results wait to be applied."""
+    while the cut pieces' results wait to be applied. An upper bound: Newton–Schulz runs its calls in chunks of at
+    most ``CHUNK_ELEMENTS`` elements (or one block), and a parameter's blocks wait for others of their shape."""
     cut = plan.cut_elements()
     # Parameters of one shape, blocks and layout share their analysis (and so its object): count each kind once.
     kinds = {id(param): (held, param) for held, param in zip(plan.holdings, plan.params)}.values()

@@ -111,7 +111,10 @@ def main(work: Path) -> None:
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     per_rank = {key: [step[key] for step in recorder.steps] for key in ("flops", "received", "given", "largest_tensor")}
     gathered = [None] * WORLD_SIZE
-    dist.all_gather_object(gathered, {**per_rank, "layout": layout, "ns_itemsize": optimizer.ns_dtype.itemsize})
+    plans, rank = optimizer.newton_schulz_plans(), dist.get_rank()
+    dist.all_gather_object(gathered, {**per_rank, "layout": layout, "ns_itemsize": optimizer.ns_dtype.itemsize,
+                                      "planned_call_flops": sum(plan.call_flops(rank) for plan in plans),
+                                      "planned_block_flops": sum(plan.flops_per_rank()[rank] for plan in plans)})
     if dist.get_rank() == 0:
         steps = [{key: step[key] for key in ("params", "grads", "after")} for step in recorder.steps]
         torch.save({"ranks": gathered, "steps": steps, "optimizer_kwargs": optimizer_kwargs},

@@ -85,9 +85,10 @@ def run_steps(model) -> dict:
         optimizer.zero_grad()
     itemsize = optimizer.ns_dtype.itemsize
     rank = dist.get_rank() if dist.is_initialized() else 0
-    planned = [sum(plan.exchange_bytes(itemsize)[rank][i] for plan in optimizer.newton_schulz_plans()) for i in (0, 1)]
+    plans = optimizer.newton_schulz_plans()
+    planned = [sum(plan.exchange_bytes(itemsize)[rank][i] for plan in plans) for i in (0, 1)]
     return {"flops": flops, "traffic": [tuple(pair) for pair in traffic], "planned_traffic": tuple(planned),
-            "ns_itemsize": itemsize}
+            "planned_flops": sum(plan.call_flops(rank) for plan in plans), "ns_itemsize": itemsize}
 
 
 def single_process(config: KimiK3Config) -> dict:
@@ -104,12 +105,13 @@ def distributed_layout(config: KimiK3Config, layout: str) -> dict:
         distributed_config, _, mesh = KimiK3ForCausalLM.prepare_distribute_model(TRANSFORMERS_LAYOUTS[layout])
         model = KimiK3ForCausalLM.maybe_distribute_model(model, distributed_config, mesh)
     result = run_steps(model)
-    gathered = {key: [None] * dist.get_world_size() for key in ("flops", "traffic", "planned_traffic")}
+    gathered = {key: [None] * dist.get_world_size() for key in ("flops", "traffic", "planned_traffic", "planned_flops")}
     for key, values in gathered.items():
         dist.all_gather_object(values, result[key])
     state = model.state_dict() if layout == "ddp" else full_state_dict(model)
     return {"flops_per_rank": gathered["flops"], "bytes_per_rank": gathered["traffic"],
-            "planned_bytes_per_rank": gathered["planned_traffic"], "state": state, "ns_itemsize": result["ns_itemsize"]}
+            "planned_bytes_per_rank": gathered["planned_traffic"], "planned_flops_per_rank": gathered["planned_flops"],
+            "state": state, "ns_itemsize": result["ns_itemsize"]}
 
 
 def refusal_of_rank_dependent_updates(config: KimiK3Config) -> str:

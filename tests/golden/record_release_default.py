@@ -23,6 +23,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
+from kimi_k3.ablation.report import cpu_name  # noqa: E402
 from modeling_kimi_k3 import KimiK3ForCausalLM  # noqa: E402
 from tests.conftest import tiny_config  # noqa: E402
 
@@ -63,7 +64,7 @@ def record() -> dict:
     state = seeded_tiny_model().state_dict()
     return {
         "platform": {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                     "transformers": transformers.__version__},
+                     "cpu": cpu_name(), "transformers": transformers.__version__},
         "default_config_json": config_json(KimiK3Config()),
         "released_config_json": config_json(KimiK3Config.kimi_k3()),
         "tiny_config_json": config_json(tiny_config()),

@@ -6,15 +6,14 @@ import pytest
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-import kimi_k3.optim.muon as muon_module
 from kimi_k3.optim.muon import (
     PerHeadMuon,
     PerHeadMuonFactory,
     build_param_groups,
     merge_row_blocks,
     split_row_blocks,
-    zeropower_via_newton_schulz5,
 )
+from kimi_k3.optim.newton_schulz import zeropower_via_newton_schulz5
 from kimi_k3.policies.qk_clip import QKClipCallback
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from tests.conftest import tiny_config
@@ -144,24 +143,6 @@ def test_stacked_expert_halves_equal_separate_w1_w3_matrices_bitwise():
     separate = [_one_step_update(matrix) for matrix in matrices]
     stacked = _one_step_update(grad, expert_rows=intermediate)
     assert torch.equal(stacked.reshape_as(matrices), torch.stack(separate))
-
-
-def test_one_newton_schulz_chain_per_block_shape(monkeypatch):
-    calls = []
-    real = muon_module.zeropower_via_newton_schulz5
-
-    def counting(blocks, **kwargs):
-        calls.append(tuple(blocks.shape))
-        return real(blocks, **kwargs)
-
-    monkeypatch.setattr(muon_module, "zeropower_via_newton_schulz5", counting)
-    weights = [torch.nn.Parameter(torch.randn(shape)) for shape in ((32, 24), (32, 24), (4, 16, 24), (12, 7))]
-    optimizer = PerHeadMuon([{"params": weights[:2], "head_rows": 8}, {"params": [weights[2]], "expert_rows": 8},
-                             {"params": [weights[3]]}])
-    for weight in weights:
-        weight.grad = torch.randn_like(weight)
-    optimizer.step()
-    assert sorted(calls) == [(1, 12, 7), (4 + 4 + 8, 8, 24)]
 
 
 def test_state_dict_round_trip_resumes_bitwise():
@@ -391,28 +372,3 @@ def test_shared_basis_banks_are_orthogonalised_per_expert_block_and_coefficients
     assert_as_accurate(update, scale * zeropower_via_newton_schulz5(blocks, dtype=torch.float32),
                        scale * zeropower_via_newton_schulz5(blocks.double(), dtype=torch.float64),
                        what="basis blocks")
-
-
-def fresh_tensor_newton_schulz5(blocks, dtype, steps, eps=1e-7):
-    """NS5 as Keller Jordan's Muon writes it, every product a new tensor: the reference for the buffered loop."""
-    a, b, c = 3.4445, -4.7750, 2.0315
-    x = blocks.to(dtype)
-    tall = x.size(-2) > x.size(-1)
-    x = x.mT if tall else x
-    x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)
-    for _ in range(steps):
-        gram = x @ x.mT
-        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.mT if tall else x
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_newton_schulz_into_reused_buffers_is_bitwise_the_fresh_tensor_loop(dtype):
-    generator = torch.Generator().manual_seed(7)
-    for _ in range(4):
-        count, rows, cols = (int(n) for n in torch.randint(1, 40, (3,), generator=generator))
-        for shape in ((count, rows, cols), (count, cols, rows), (count, rows, rows)):
-            blocks = torch.randn(shape, generator=generator)
-            for steps in (1, 2, 5):
-                buffered = zeropower_via_newton_schulz5(blocks, steps=steps, dtype=dtype)
-                assert torch.equal(buffered, fresh_tensor_newton_schulz5(blocks, dtype, steps)), (shape, steps)

@@ -5,7 +5,8 @@ import torch
 
 from kimi_k3.job import main as train
 from kimi_k3.optim import precision
-from kimi_k3.optim.muon import PerHeadMuon, zeropower_via_newton_schulz5
+from kimi_k3.optim.muon import PerHeadMuon
+from kimi_k3.optim.newton_schulz import zeropower_via_newton_schulz5
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from tests.conftest import tiny_config
 from tests.numerics import BF16_EPS, FP32_EPS
