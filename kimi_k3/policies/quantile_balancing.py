@@ -51,7 +51,7 @@ def required_bias(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple
 
 def required_bias_of_routes(scores: torch.Tensor, bias: torch.Tensor, routes: torch.Tensor) -> torch.Tensor:
     """r = α − s [N, n] given the routes [N, k] the router took: α is the best biased score left outside them."""
-    outside = (scores + bias).scatter(-1, routes, float("-inf"))
+    outside = (scores + bias).scatter_(-1, routes, float("-inf"))
     return outside.amax(-1, keepdim=True) - scores
 
 
@@ -86,11 +86,17 @@ def required_bias_histogram(
     counting only the rows where ``token_mask`` is True. NaN (the scores of a diverged step, which the loss already
     shows) is not counted instead of becoming an out-of-range bin index."""
     low, width = histogram_range(bias, num_bins)
-    position = ((required_bias - low) / width).floor().clamp_(0, num_bins - 1)
-    num_experts = position.shape[-1]
-    bins = position.long() + torch.arange(num_experts, device=position.device) * num_bins
-    bins.masked_fill_(position.isnan(), num_experts * num_bins)  # masked_counts' dropped spare slot
-    return masked_counts(bins, token_mask, num_experts * num_bins).view(num_experts, num_bins)
+    num_experts = required_bias.shape[-1]
+    dropped = num_experts * num_bins  # masked_counts' spare slot
+    if dropped > 2 / torch.finfo(required_bias.dtype).eps:
+        required_bias = required_bias.double()  # bin numbers are computed as floats: exact up to 2 / eps (2^24)
+    # Each expert's bins after the previous expert's, as floats until the last pass, and in place: every fresh [N, n]
+    # tensor is new pages to fault in, and each pass over it costs as much as the arithmetic.
+    bins = (required_bias - low).div_(width).floor_().clamp_(0, num_bins - 1)
+    bins.add_(torch.arange(num_experts, device=bins.device, dtype=bins.dtype) * num_bins).nan_to_num_(nan=dropped)
+    if token_mask is not None:
+        bins.masked_fill_(~token_mask[:, None], dropped)
+    return masked_counts(bins.long(), None, dropped).view(num_experts, num_bins)
 
 
 class RouterStatistics:

@@ -470,6 +470,20 @@ def test_padding_rows_are_dropped_without_boolean_indexing():
     assert torch.equal(required_bias_histogram(diverged, bias, 50), required_bias_histogram(r[mask], bias, 50))
 
 
+@pytest.mark.parametrize("num_experts, num_bins, dtype", [(12, 50, torch.float32), (17, 1 << 20, torch.float64)],
+                         ids=["few-bins", "beyond-2^24-bins"])
+def test_histogram_counts_each_required_bias_in_its_bin_by_the_definition(num_experts, num_bins, dtype):
+    """Against bin = clamp(floor((r - low) / width), 0, B - 1), one expert at a time: the histogram numbers the bins of
+    all experts together as floats, which float32 holds exactly up to 2^24 and float64 beyond (the second case)."""
+    generator = torch.Generator().manual_seed(5)
+    scores, bias = torch.rand(200, num_experts, generator=generator), 0.1 * torch.randn(num_experts, generator=generator)
+    _, r = required_bias(scores, bias, 3)
+    low, width = histogram_range(bias, num_bins)
+    expected = torch.stack([torch.bincount(((r[:, j].to(dtype) - low) / width).floor().clamp(0, num_bins - 1).long(),
+                                           minlength=num_bins) for j in range(num_experts)])
+    assert torch.equal(required_bias_histogram(r, bias, num_bins), expected)
+
+
 def test_save_and_reload_keep_the_bias_bit_exact_without_statistics(model, tmp_path):
     policy = attached(model)
     train_forward(model, batch_ids())
