@@ -2,14 +2,16 @@
 
 The model computes SiTU-GLU with its eager reference (`modeling_kimi_k3.situ_and_mul`), so a folder loaded with
 ``trust_remote_code`` alone trains, with the same results. Eager SiTU-GLU is a dozen memory-bound elementwise passes
-forward and backward; inductor turns each direction into one loop over the elements (2-4x faster on CPU at expert
-sizes, see benchmarks/README.md). `use_fused_situ(model)` swaps that in at the model's activation seam, every
-``KimiK3GLUActivation``, the way transformers' kernel hub (``kernelize``) replaces the forward of a layer that keeps
-its torch reference as the body. The routed experts hand their activation the concatenated ``[gate ‖ up]``, which
-takes the concatenated kernel: its backward writes the gradient in that layout, with no split or concatenation.
+forward and backward; here the forward is one compiled loop over the elements that writes the output and the two
+partial derivatives, ∂out/∂gate and ∂out/∂up, and the backward is one multiplication of those by the output's
+gradient. The derivatives take the place of the inputs autograd would keep (the same memory), so the six tanh and
+sigmoid evaluations per element are done once instead of again in the backward. `use_fused_situ(model)` swaps this in
+at the model's activation seam, every ``KimiK3GLUActivation``, the way transformers' kernel hub (``kernelize``)
+replaces the forward of a layer that keeps its torch reference as the body. The routed experts hand their activation
+the concatenated ``[gate ‖ up]``, which takes the concatenated kernel: its derivatives, and so the gradient, come in
+that layout, with no split or concatenation.
 """
 
-from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from functools import partial
 
@@ -31,26 +33,26 @@ __all__ = [
 FUSED_MIN_ELEMENTS = 2**18
 
 
-def situ_and_mul_backward(
-    gate: torch.Tensor, up: torch.Tensor, grad_output: torch.Tensor, beta: float, linear_beta: float | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Input gradients of `situ_and_mul`, written out so that the fused kernels need no autograd.
+def situ_and_mul_with_derivatives(
+    gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`situ_and_mul` and its elementwise partial derivatives (∂out/∂g, ∂out/∂u), all in the inputs' dtype.
 
     With t = tanh(g/β₁), σ = σ(g) and c = β₂·tanh(u/β₂): ∂/∂g = c·σ·((1 − t²) + β₁·t·(1 − σ)),
     ∂/∂u = β₁·t·σ·(1 − tanh²(u/β₂)) (∂/∂u = β₁·t·σ when the up branch is uncapped).
     """
-    dtypes = gate.dtype, up.dtype
-    gate, up, grad_output = upcast(gate), upcast(up), upcast(grad_output)
+    dtype = gate.dtype
+    gate, up = upcast(gate), upcast(up)
     gate_tanh, gate_sigmoid = torch.tanh(gate / beta), torch.sigmoid(gate)
     if linear_beta is None:
         capped_up, capped_up_slope = up, 1.0
     else:
         up_tanh = torch.tanh(up / linear_beta)
         capped_up, capped_up_slope = linear_beta * up_tanh, 1 - up_tanh * up_tanh
+    activated_gate = beta * gate_tanh * gate_sigmoid
     gate_slope = gate_sigmoid * ((1 - gate_tanh * gate_tanh) + beta * gate_tanh * (1 - gate_sigmoid))
-    grad_gate = grad_output * capped_up * gate_slope
-    grad_up = grad_output * beta * gate_tanh * gate_sigmoid * capped_up_slope
-    return grad_gate.to(dtypes[0]), grad_up.to(dtypes[1])
+    return ((activated_gate * capped_up).to(dtype), (capped_up * gate_slope).to(dtype),
+            (activated_gate * capped_up_slope).to(dtype))
 
 
 def situ_glu(gate_up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
@@ -59,30 +61,28 @@ def situ_glu(gate_up: torch.Tensor, beta: float, linear_beta: float | None) -> t
     return situ_and_mul(gate, up, beta, linear_beta)
 
 
-def situ_glu_backward(
-    gate_up: torch.Tensor, grad_output: torch.Tensor, beta: float, linear_beta: float | None
-) -> torch.Tensor:
-    """Gradient of `situ_glu` with respect to ``gate_up``, in the same concatenated layout."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return torch.cat(situ_and_mul_backward(gate, up, grad_output, beta, linear_beta), dim=-1)
+def situ_glu_with_derivatives(
+    gate_up: torch.Tensor, beta: float, linear_beta: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`situ_glu` and its partial derivatives in the concatenated layout ``[∂out/∂g ‖ ∂out/∂u]``."""
+    out, gate_slope, up_slope = situ_and_mul_with_derivatives(*gate_up.chunk(2, dim=-1), beta, linear_beta)
+    return out, torch.cat((gate_slope, up_slope), dim=-1)
 
 
-def _compiled(function: Callable):
+def _compiled(function):
     return field(default_factory=lambda: CompiledFunction(function))
 
 
 @dataclass
 class SiTUKernels:
-    """Compiled forward and backward kernels of SiTU-GLU, for the concatenated experts layout and for separate inputs.
+    """Compiled kernels of SiTU-GLU with its derivatives, for the concatenated experts layout and for separate inputs.
 
     Compiling costs seconds per kernel, so every model attached with the default set (`SHARED_KERNELS`) shares one
     compilation cache per process; pass another set to `use_fused_situ` to keep its compilation (or its failure) apart.
     """
 
-    glu: CompiledFunction = _compiled(situ_glu)
-    glu_backward: CompiledFunction = _compiled(situ_glu_backward)
-    and_mul: CompiledFunction = _compiled(situ_and_mul)
-    and_mul_backward: CompiledFunction = _compiled(situ_and_mul_backward)
+    glu: CompiledFunction = _compiled(situ_glu_with_derivatives)
+    and_mul: CompiledFunction = _compiled(situ_and_mul_with_derivatives)
 
     def all(self) -> tuple[CompiledFunction, ...]:
         return tuple(getattr(self, kernel.name) for kernel in fields(self))
@@ -92,28 +92,33 @@ SHARED_KERNELS = SiTUKernels()
 
 
 class FusedSiTUGLU(torch.autograd.Function):
-    """SiTU-GLU whose forward and backward are each one compiled elementwise kernel of ``kernels``.
+    """SiTU-GLU whose forward is one compiled elementwise kernel of ``kernels`` that also writes the partial
+    derivatives, and whose backward multiplies them by the output's gradient.
 
-    Both directions are plain functions compiled without autograd, so a compiler failure in either is caught and
-    falls back to the eager reference. ``gate`` is either the concatenated ``[gate ‖ up]`` (``up=None``: the gradient
-    is written in that layout, with no split/cat) or the gate alone.
+    The kernels are plain functions compiled without autograd, so a compiler failure is caught and falls back to the
+    eager function. ``gate`` is either the concatenated ``[gate ‖ up]`` (``up=None``: the gradient is written in that
+    layout, with no split/cat) or the gate alone.
     """
 
     @staticmethod
     def forward(ctx, gate, up, beta, linear_beta, kernels: SiTUKernels):
-        ctx.save_for_backward(gate, up)
-        ctx.betas, ctx.kernels = (beta, linear_beta), kernels
         if up is None:
-            return kernels.glu(gate, beta, linear_beta)
-        return kernels.and_mul(gate, up, beta, linear_beta)
+            out, derivatives = kernels.glu(gate, beta, linear_beta)
+            ctx.save_for_backward(derivatives)
+        else:
+            out, gate_slope, up_slope = kernels.and_mul(gate, up, beta, linear_beta)
+            ctx.save_for_backward(gate_slope, up_slope)
+        return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_output):
-        gate, up = ctx.saved_tensors
-        if up is None:
-            return ctx.kernels.glu_backward(gate, grad_output, *ctx.betas), None, None, None, None
-        return *ctx.kernels.and_mul_backward(gate, up, grad_output, *ctx.betas), None, None, None
+        if len(ctx.saved_tensors) == 2:
+            gate_slope, up_slope = ctx.saved_tensors
+            return grad_output * gate_slope, grad_output * up_slope, None, None, None
+        (derivatives,) = ctx.saved_tensors
+        paired = derivatives.unflatten(-1, (2, -1)) * grad_output.unsqueeze(-2)  # [..., {gate, up}, intermediate]
+        return paired.flatten(-2), None, None, None, None
 
 
 def fused_situ_glu(gate_up: torch.Tensor, beta: float, linear_beta: float | None,
