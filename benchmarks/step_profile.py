@@ -46,6 +46,9 @@ MATMULS = {
     aten.addmm.default: lambda bias, a, b, *_: 2 * a.shape[0] * a.shape[1] * b.shape[1],
     aten.bmm.default: lambda a, b: 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2],
     aten.baddbmm.default: lambda bias, a, b, *_: 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2],
+    # Newton–Schulz writes its products into buffers it reuses.
+    aten.bmm.out: lambda a, b: 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2],
+    aten.baddbmm.out: lambda bias, a, b, *_: 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2],
     aten._grouped_mm.default: lambda a, b, *_: 2 * a.shape[0] * a.shape[-1] * b.shape[-1],
     # KDA's T = (I + L)^-1 (forward substitution): n² multiply-adds per right-hand column of an n x n system.
     aten.linalg_solve_triangular.default: lambda a, b, *_: math.prod(b.shape) * a.shape[-1],
