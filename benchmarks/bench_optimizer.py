@@ -7,7 +7,8 @@
     - torch.optim.Muon(adjust_lr_fn="match_rms_adamw") on the 2-D Muon matrices, AdamW on everything else
       (including the 3-D experts, which torch's Muon rejects);
     - AdamW, fused (the Trainer default);
-    - PerHeadMuon with its Newton–Schulz in fp32 and in bf16 (``ns_dtype``), and Newton–Schulz alone on its blocks;
+    - PerHeadMuon with its Newton–Schulz in fp32 and in bf16 (``ns_dtype``), and Newton–Schulz alone on its blocks,
+      in its batch-invariant chunks and in one call per block shape (what it did before; not batch-invariant);
     - the floor any exact NS5 has here in each dtype: its FLOPs at the matmul rate of the same block shapes in that
       dtype, measured in the run.
 (b) ``transformers.Trainer`` with PerHeadMuon and with the Trainer's AdamW for the same steps on byte-level text of
@@ -43,6 +44,7 @@ from kimi_k3.optim.muon import (  # noqa: E402
     row_pattern,
     split_row_blocks,
 )
+from kimi_k3.optim.newton_schulz import newton_schulz5_call  # noqa: E402
 from kimi_k3.optim.precision import cpu_has_native_bf16  # noqa: E402
 from modeling_kimi_k3 import KimiK3ForCausalLM  # noqa: E402
 
@@ -105,6 +107,18 @@ def newton_schulz_flops(stacks: list[torch.Tensor]) -> float:
     return total
 
 
+def one_call_per_shape(stacks: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Newton–Schulz with every block of one shape in a single call, as before it became batch-invariant: a block's
+    result then depends on how many blocks share its call (kimi_k3/optim/newton_schulz.py)."""
+    outputs = []
+    for shape in {s.shape[1:] for s in stacks}:
+        batch = torch.cat([s.to(dtype) for s in stacks if s.shape[1:] == shape])
+        tall = batch.shape[-2] > batch.shape[-1]
+        result = newton_schulz5_call(batch.mT if tall else batch)
+        outputs.append(result.mT if tall else result)
+    return outputs
+
+
 def block_matmul_probe(stacks: list[torch.Tensor], dtype: torch.dtype) -> tuple[Callable, float]:
     """One X·Xᵀ over all blocks in ``dtype``, grouped by shape as NS5 runs it, and its FLOPs: the rate NS5 can reach."""
     batches = [torch.cat([s.to(dtype) for s in stacks if s.shape[1:] == shape]) for shape in {s.shape[1:] for s in stacks}]
@@ -128,6 +142,8 @@ def run(quick: bool = False, repeats: int | None = None) -> dict:
     probe_flops = {}
     for name, dtype in NS_DTYPES.items():
         candidates[f"Newton-Schulz alone, {name}"] = lambda dtype=dtype: orthogonalize_by_shape(stacks, dtype)
+        candidates[f"Newton-Schulz alone, one call per shape (not batch-invariant), {name}"] = (
+            lambda dtype=dtype: one_call_per_shape(stacks, dtype))
         candidates[f"probe: {name} X·Xᵀ of the same blocks"], probe_flops[name] = block_matmul_probe(stacks, dtype)
     seconds = time_interleaved(candidates, repeats=repeats)
     adamw = seconds["AdamW (fused)"]
