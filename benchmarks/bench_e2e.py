@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-# benchmarks.common first: it sets the OpenMP wait policy before torch is loaded.
+# benchmarks.common first: it sets HF_HUB_OFFLINE before transformers is loaded.
 from benchmarks.common import bench_arguments, in_fresh_process, report, time_interleaved  # noqa: E402
 from benchmarks.step_profile import job_training_step, large_gemm_rate, record_matmuls  # noqa: E402
 import torch  # noqa: E402

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-# benchmarks.common first: it sets the OpenMP wait policy before torch is loaded.
+# benchmarks.common first: it sets HF_HUB_OFFLINE before transformers is loaded.
 from benchmarks.common import bench_arguments, report, time_interleaved  # noqa: E402
 import torch  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402

@@ -17,9 +17,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-# Set before torch loads libgomp (so every benchmark imports this module first). Spinning OpenMP workers steal the
-# cores of a shared machine: with a busy neighbour, two-thread runs were up to 20x slower with the default policy.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Set before transformers loads (so every benchmark imports this module first). The OpenMP wait policy is left as the
+# training job runs it (libgomp's default: spin, then sleep); see README.md, "Environment", for OMP_WAIT_POLICY=PASSIVE.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
@@ -160,6 +159,7 @@ def machine_summary(machine: dict) -> str:
     bf16 = "native bf16" if machine["native_bf16_matmul"] else "bf16 emulated (slow)"
     return (
         f"Measured on {machine['cpu']} ({machine['cpu_capability']}, {bf16}), {machine['torch_threads']} threads, "
+        f"OpenMP waiting {machine['OMP_WAIT_POLICY'] or 'as libgomp defaults'}, "
         f"torch {machine['torch']}, transformers {machine['transformers']}, {machine['date']}, "
         f"load average {machine['load_average_1m']:.2f} at the start."
     )
