@@ -100,28 +100,16 @@ def gather_whole_matrix(update):
     return update.full_tensor() if isinstance(update, DTensor) else update
 
 
-def shard_like(update, whole):
-    """This rank's shard of ``whole`` in the layout of ``update`` (local slicing, no communication)."""
-    if isinstance(update, DTensor):
-        return distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)
-    return whole
+def shard_layout(update):
+    """(mesh, placements) of a sharded (``DTensor``) update, None for a plain one: what :func:`shard_like` needs."""
+    return (update.device_mesh, update.placements) if isinstance(update, DTensor) else None
 
 
-def orthogonalize_whole(updates, patterns, dtypes, orthogonalize):
-    """Every block on this process: per update, (orthogonalised update in its layout, alpha scale)."""
-    layouts, updates = updates, [gather_whole_matrix(update) for update in updates]
-    stacks = [split_row_blocks(update, pattern) for update, pattern in zip(updates, patterns)]
-    orthogonal = iter(orthogonalize([stack for per_param in stacks for stack in per_param]))
-    results = []
-    for update, pattern, dtype, per_param in zip(updates, patterns, dtypes, stacks):
-        blocks = [block for _, block in zip(per_param, orthogonal)]
-        scales = {_match_rms_scale(block) for block in blocks}
-        if len(scales) == 1:  # one scale for all blocks: it goes into the fp32 add, no scaled copies
-            scale = scales.pop()
-        else:
-            blocks, scale = [block.to(dtype) * _match_rms_scale(block) for block in blocks], 1.0
-        results.append((merge_row_blocks(blocks, pattern, update.shape), scale))
-    return [(shard_like(layout, whole), scale) for layout, (whole, scale) in zip(layouts, results)]
+def shard_like(layout, whole):
+    """This rank's shard of ``whole`` in ``layout`` (:func:`shard_layout`; local slicing, no communication)."""
+    if layout is None:
+        return whole
+    return distribute_tensor(whole, *layout, src_data_rank=None)
 
 
 def newton_schulz_exchange_bytes(shapes, patterns, world_size, sharded, itemsize=torch.bfloat16.itemsize):
@@ -236,12 +224,12 @@ class PerHeadMuon(torch.optim.Optimizer):
         for job in jobs:
             by_domain[self._domain(job)].append(job)
         for domain, members in by_domain.items():
-            if domain is not None and domain.sharded:
+            if domain is None:
+                self._local_step(members)
+            elif domain.sharded:
                 self._sharded_step(domain, members)
             else:
-                updates = [self._nesterov_update(job.param, job.group, self._advance_momentum(job)) for job in members]
-                for job, (update, scale) in zip(members, self._orthogonalize_together(domain, members, updates)):
-                    self._apply(job, update, scale)
+                self._replicated_step(domain, members)
 
     def _domain(self, job) -> Domain | None:
         """Where the job's Newton–Schulz runs; a layout the split cannot describe is refused, naming the parameter."""
@@ -253,20 +241,40 @@ class PerHeadMuon(torch.optim.Optimizer):
             raise ValueError(f"Per-Head Muon cannot split Newton–Schulz of {_describe(job)}: {error}; pass "
                              "split_newton_schulz=False to orthogonalise whole matrices on every rank.") from None
 
-    def _orthogonalize_together(self, domain, jobs, updates):
-        """(orthogonalised update, alpha scale) per job, with every update of the step at hand: on this process alone
-        (``domain`` None), or split over the replicated ranks of ``domain``."""
-        orthogonalize = functools.partial(orthogonalize_by_shape, dtype=self.ns_dtype)
+    def _local_step(self, jobs):
+        """Every block on this process (one process, or ``split_newton_schulz=False``), one parameter's update at a
+        time: its blocks join the queue's chunks, and the parameter is updated as soon as its last block is done, so a
+        step holds about one update besides the blocks waiting for a chunk."""
+        queue = NewtonSchulzQueue(self.ns_dtype)
+        for job in jobs:
+            update = self._nesterov_update(job.param, job.group, self._advance_momentum(job))
+            whole = gather_whole_matrix(update)
+            queue.submit(split_row_blocks(whole, job.pattern),
+                         functools.partial(self._apply_whole, job, shard_layout(update), whole.shape))
+        queue.flush()
+
+    def _apply_whole(self, job, layout, shape, blocks):
+        scales = {_match_rms_scale(block) for block in blocks}
+        if len(scales) == 1:  # one scale for all blocks: it goes into the fp32 add, no scaled copies
+            scale = scales.pop()
+        else:
+            blocks, scale = [block.to(job.param.dtype) * _match_rms_scale(block) for block in blocks], 1.0
+        self._apply(job, shard_like(layout, merge_row_blocks(blocks, job.pattern, shape)), scale)
+
+    def _replicated_step(self, domain, jobs):
+        """Every update of the step at hand, split over the replicated ranks of ``domain``."""
+        updates = [self._nesterov_update(job.param, job.group, self._advance_momentum(job)) for job in jobs]
         patterns, dtypes = [job.pattern for job in jobs], [job.param.dtype for job in jobs]
-        if domain is None:
-            return orthogonalize_whole(updates, patterns, dtypes, orthogonalize)
         key = (domain, tuple(tuple(update.shape) for update in updates), tuple(patterns))
         if key not in self._plans:
             _check_replicated(updates, domain.group)
             world_size = dist.get_world_size(domain.group)
             self._plans[key] = plan_replicated([u.shape for u in updates], patterns, world_size, NS_STEPS)
-        return orthogonalize_replicated(updates, patterns, dtypes, domain.group, self._plans[key], orthogonalize,
-                                        self.ns_dtype, _match_rms_scale_of_shape)
+        orthogonalize = functools.partial(orthogonalize_by_shape, dtype=self.ns_dtype)
+        results = orthogonalize_replicated(updates, patterns, dtypes, domain.group, self._plans[key], orthogonalize,
+                                           self.ns_dtype, _match_rms_scale_of_shape)
+        for job, (update, scale) in zip(jobs, results):
+            self._apply(job, update, scale)
 
     def _sharded_step(self, domain, jobs):
         """Momentum first; then each update is formed twice, once for the pieces of cut blocks that travel and once for

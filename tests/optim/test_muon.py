@@ -1,6 +1,7 @@
 """Per-Head Muon: per-head and per-expert Newton–Schulz blocks, the parameter split, and training through Trainer."""
 
 import re
+import weakref
 
 import pytest
 import torch
@@ -143,6 +144,27 @@ def test_stacked_expert_halves_equal_separate_w1_w3_matrices_bitwise():
     separate = [_one_step_update(matrix) for matrix in matrices]
     stacked = _one_step_update(grad, expert_rows=intermediate)
     assert torch.equal(stacked.reshape_as(matrices), torch.stack(separate))
+
+
+def test_a_single_process_step_holds_about_one_parameters_update_at_a_time(monkeypatch):
+    """Each Nesterov update is dropped once its blocks are in the Newton–Schulz queue (waiting blocks are copied), so
+    the step's memory does not grow with the number of parameters; before the queue it held every update at once."""
+    alive, most = [], []
+    nesterov = PerHeadMuon._nesterov_update
+
+    def tracked(p, group, buffer):
+        update = nesterov(p, group, buffer)
+        alive.append(weakref.ref(update))
+        most.append(sum(ref() is not None for ref in alive))
+        return update
+
+    monkeypatch.setattr(PerHeadMuon, "_nesterov_update", staticmethod(tracked))
+    model = KimiK3ForCausalLM(tiny_config())
+    optimizer = PerHeadMuon.for_model(model, lr=1e-2)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    assert len(alive) > 50 and max(most) <= 2
 
 
 def test_state_dict_round_trip_resumes_bitwise():
