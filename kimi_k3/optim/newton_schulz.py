@@ -11,10 +11,13 @@ of a shape is padded with zero blocks (zero in, zero out). The same idea as batc
 inference (He et al., "Defeating Nondeterminism in LLM Inference", Thinking Machines Lab, 2025).
 
 Chunks of about 2¹⁸ elements also keep a call's working set in cache: on 2 cores of a Xeon with AMX, the default
-model's 1,536 head blocks orthogonalise 1.2-1.5x faster in chunks of 16 than in one call (``benchmarks/bench_optimizer.py``).
+model's blocks orthogonalise 1.5x faster in chunks than in one call per shape, in bf16 and fp32 alike
+(``benchmarks/bench_optimizer.py``; with libgomp's default waiting: under ``OMP_WAIT_POLICY=PASSIVE`` each of the
+step's few thousand calls wakes a sleeping thread, and chunks are slower).
 """
 
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -79,19 +82,29 @@ class _Submission:
             self.done(self.outputs)
 
 
+@dataclass
+class _Waiting:
+    """Blocks of a submitted stack that have not run yet: its rows ``start:``, wide (short side first)."""
+
+    submission: _Submission
+    index: int
+    start: int
+    blocks: torch.Tensor
+
+
 class NewtonSchulzQueue:
     """Orthogonalises stacks [n, rows, cols] submitted one group at a time, batching blocks of one shape across
     groups into calls of exactly :func:`chunk_blocks` blocks. Full chunks run as soon as they fill (a group's blocks
     that do not fill one wait, copied, for later groups); :meth:`flush` pads and runs the rest. A group's ``done``
     callback receives its outputs, each in the stack's shape and the queue's ``dtype``, once its last block has run.
 
-    Streaming lets a caller that forms one parameter's update at a time (the sharded step) batch across parameters
+    Streaming lets a caller that forms one parameter's update at a time (Per-Head Muon's step) batch across parameters
     without holding every update at once, and pad each shape's last chunk once per step instead of once per parameter.
     """
 
     def __init__(self, dtype, coefficients=NS_COEFFICIENTS, steps=NS_STEPS, eps=NS_EPS):
         self.dtype, self.coefficients, self.steps, self.eps = dtype, coefficients, steps, eps
-        self._waiting = defaultdict(list)  # (short, long) -> [(submission, stack index, start, wide blocks)]
+        self._waiting: dict[tuple[int, int], deque[_Waiting]] = defaultdict(deque)  # by (short, long) side
 
     def submit(self, stacks: list[torch.Tensor], done: Callable[[list[torch.Tensor]], None]) -> None:
         submission = _Submission(stacks, self.dtype, done)
@@ -103,39 +116,43 @@ class NewtonSchulzQueue:
                 continue
             shape = tuple(wide.shape[1:])
             waiting = self._waiting[shape]
-            waiting.append((submission, index, 0, wide))
-            while sum(entry[3].shape[0] for entry in waiting) >= chunk_blocks(*shape):
+            waiting.append(_Waiting(submission, index, 0, wide))
+            while _count(waiting) >= chunk_blocks(*shape):
                 self._run_chunk(shape, chunk_blocks(*shape))
-            if waiting and waiting[-1][0] is submission:
+            if waiting and waiting[-1].submission is submission:
                 # The blocks left over wait for later groups as a copy: the caller may free the tensor they came from.
-                submission_, index_, start, blocks = waiting[-1]
-                waiting[-1] = (submission_, index_, start, blocks.to(self.dtype, copy=True))
+                waiting[-1].blocks = waiting[-1].blocks.to(self.dtype, copy=True)
 
     def flush(self) -> None:
         """Run every waiting block, each shape's last chunk padded with zero blocks."""
         for shape, waiting in self._waiting.items():
             if waiting:
-                self._run_chunk(shape, sum(entry[3].shape[0] for entry in waiting))
+                self._run_chunk(shape, _count(waiting))
         self._waiting.clear()
 
     def _run_chunk(self, shape, count):
         """One call on the first ``count`` waiting blocks of ``shape``, padded to the shape's chunk with zeros."""
-        size = chunk_blocks(*shape)
-        chunk = torch.zeros(size, *shape, dtype=self.dtype, device=self._waiting[shape][0][3].device)
+        waiting = self._waiting[shape]
+        chunk = torch.empty(chunk_blocks(*shape), *shape, dtype=self.dtype, device=waiting[0].blocks.device)
         taken, pieces = 0, []
         while taken < count:
-            submission, index, start, blocks = self._waiting[shape][0]
-            used = min(blocks.shape[0], count - taken)
-            chunk[taken:taken + used] = blocks[:used]
-            pieces.append((submission, index, start, taken, used))
-            if used == blocks.shape[0]:
-                self._waiting[shape].pop(0)
+            entry = waiting[0]
+            used = min(entry.blocks.shape[0], count - taken)
+            chunk[taken:taken + used] = entry.blocks[:used]
+            pieces.append((entry.submission, entry.index, entry.start, taken, used))
+            if used == entry.blocks.shape[0]:
+                waiting.popleft()
             else:
-                self._waiting[shape][0] = (submission, index, start + used, blocks[used:])
+                entry.start, entry.blocks = entry.start + used, entry.blocks[used:]
             taken += used
+        chunk[taken:].zero_()
         result = newton_schulz5_call(chunk, self.coefficients, self.steps, self.eps)
         for submission, index, start, offset, used in pieces:
             submission.fill(index, start, result[offset:offset + used])
+
+
+def _count(waiting: deque[_Waiting]) -> int:
+    return sum(entry.blocks.shape[0] for entry in waiting)
 
 
 def zeropower_via_newton_schulz5(blocks, coefficients=NS_COEFFICIENTS, steps=NS_STEPS, eps=NS_EPS,
