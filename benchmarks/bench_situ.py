@@ -3,9 +3,9 @@ expert intermediate 384, so [65,536, 768] for [gate ‖ up]).
 
 Candidates, timed interleaved, forward and forward+backward:
 - eager: `situ_glu`, a dozen elementwise passes each way (the reference);
-- fused: `fused_situ_glu`, what training uses (`FusedSiTUGLU`: a compiled forward that also writes the partial
-  derivatives, which the backward multiplies by the output's gradient);
-- autograd-compiled: `torch.compile(situ_glu)`, inductor deriving the backward itself. Faster backward, but its
+- fused: `fused_situ_glu`, what training uses (`FusedSiTUGLU`: a compiled forward that keeps its input and a compiled
+  backward, the `torch.func.vjp` of the reference, that evaluates the derivatives again);
+- autograd-compiled: `torch.compile(situ_glu)`, inductor deriving the backward itself through AOTAutograd; its
   compilation failures surface inside `loss.backward()`, where nothing can fall back, so the model does not use it;
 - SiLU·up: transformers' experts activation, the cost SiTU-GLU is compared with.
 

@@ -20,7 +20,6 @@ from kimi_k3.kernels.fused_situ import (
     SiTUKernels,
     fused_situ_and_mul,
     fused_situ_glu,
-    situ_and_mul_with_derivatives,
     situ_glu,
     use_fused_situ,
 )
@@ -42,28 +41,29 @@ def value_and_grad(function, gate_up: torch.Tensor, linear_beta: float | None, c
 
 @pytest.mark.parametrize("linear_beta", [25.0, None])
 @pytest.mark.parametrize("concatenated", [True, False])
-def test_written_out_derivatives_times_the_gradient_equal_autograd_of_the_reference_fp64(linear_beta, concatenated):
-    """The fused path's output and gradient (its partial derivatives times the output's gradient, in the layout of the
-    input) ≡ `situ_and_mul` and autograd through it."""
+def test_the_kernels_functions_equal_the_reference_and_autograd_through_it_fp64(linear_beta, concatenated):
+    """What the kernels compile (here run eagerly: float64 has no vectorised CPU kernel to compare) ≡ `situ_and_mul`
+    and autograd through it, in the layout of the input, at odd shapes."""
     gate_up = situ_inputs(53, 24, torch.float64)
     grad_output = torch.randn(53, 24, dtype=torch.float64)
-    out, *derivatives = situ_and_mul_with_derivatives(*gate_up.chunk(2, -1), 4.0, linear_beta)
-    written_out = torch.cat([derivative * grad_output for derivative in derivatives], dim=-1)
     expected_out = situ_glu(gate_up, 4.0, linear_beta)
     (expected,) = torch.autograd.grad(expected_out, gate_up, grad_output)
-    assert torch.equal(out, expected_out)
-    torch.testing.assert_close(written_out, expected, rtol=1e-12, atol=1e-12)
-    kernels = SiTUKernels(with_derivatives=CompiledFunction(situ_and_mul_with_derivatives))
-    kernels.with_derivatives.failed = True  # the eager function: float64 has no vectorised CPU kernel to compare
+    kernels = SiTUKernels()
+    for kernel in kernels.all():
+        kernel.failed = True
     fused = fused_situ_glu if concatenated else fused_situ_and_mul
     inputs = (gate_up,) if concatenated else gate_up.chunk(2, -1)
-    (fused_grad,) = torch.autograd.grad(fused(*inputs, 4.0, linear_beta, kernels), gate_up, grad_output)
-    torch.testing.assert_close(fused_grad, expected, rtol=1e-12, atol=1e-12)
+    out = fused(*inputs, 4.0, linear_beta, kernels)
+    (grad,) = torch.autograd.grad(out, gate_up, grad_output)
+    assert torch.equal(out, expected_out)
+    torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-12)
+    assert all(kernel.compiled is None for kernel in kernels.all())
 
 
 @pytest.mark.parametrize(
     ("dtype", "linear_beta", "concatenated"),
-    [(torch.float64, 25.0, True), (torch.float32, None, False), (torch.bfloat16, 25.0, True)],
+    [(torch.float64, 25.0, True), (torch.float32, None, False), (torch.bfloat16, 25.0, True),
+     (torch.bfloat16, None, False), (torch.float32, 25.0, True)],
 )
 def test_fused_situ_equals_the_reference_forward_and_backward(dtype, linear_beta, concatenated):
     """Compiled SiTU-GLU ≡ eager `situ_and_mul`, values and input gradients, at two odd shapes (dynamic shapes):
@@ -79,7 +79,9 @@ def test_fused_situ_equals_the_reference_forward_and_backward(dtype, linear_beta
         assert out.dtype == dtype and grad.shape == gate_up.shape
         assert_as_accurate(out, expected_out, exact_out, what="output")
         assert_as_accurate(grad, expected_grad, exact_grad, what="gradient")
-    assert SHARED_KERNELS.with_derivatives.compiled is not None and not SHARED_KERNELS.with_derivatives.failed
+    used = (("concatenated_output", "concatenated_gradient") if concatenated else ("output", "gradients"))
+    assert all(getattr(SHARED_KERNELS, name).compiled is not None and not getattr(SHARED_KERNELS, name).failed
+               for name in used)
 
 
 class Spy:
@@ -191,11 +193,11 @@ import torch
 from kimi_k3.kernels.fused_situ import SHARED_KERNELS, situ_glu
 gate_up = torch.randn(512, 128, generator=torch.Generator().manual_seed(0))
 exact = situ_glu(gate_up.double(), 4.0, 25.0)
-out = SHARED_KERNELS.with_derivatives(*gate_up.chunk(2, -1), 4.0, 25.0)[0]
+out = SHARED_KERNELS.concatenated_output(gate_up, 4.0, 25.0)
 error = (out.double() - exact).abs().max().item()
 reference_error = (situ_glu(gate_up, 4.0, 25.0).double() - exact).abs().max().item()
 bound = 4 * reference_error + 8 * torch.finfo(torch.float32).eps * exact.abs().max().item()
-assert not SHARED_KERNELS.with_derivatives.failed and error <= bound, (error, bound)
+assert not SHARED_KERNELS.concatenated_output.failed and error <= bound, (error, bound)
 """
 
 
