@@ -16,7 +16,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from kimi_k3.attachments.handle import Attachment
 from kimi_k3.attachments.padding import masked_counts, shared_padding
-from kimi_k3.attachments.seams import experts_activation, find_mla_layers, find_routed_experts, find_routers
+from kimi_k3.attachments.seams import experts_activation, find_expert_modules, find_mla_layers, find_routers
 from kimi_k3.job.final_save import FINAL_MODEL_DIR
 from kimi_k3.job.run_settings import RUN_SETTINGS_FILE
 from kimi_k3.policies.balance_metrics import load_balance_metrics
@@ -92,7 +92,7 @@ def evaluation_record(model: KimiK3ForCausalLM, blocks) -> dict:
         for name, attn in find_mla_layers(model).items():
             logit_maxima[name] = LogitMaxRecorder(attn, padding, training_only=False)
             attachment.set_attribute(attn, "query_key_observer", logit_maxima[name])
-        for experts in find_routed_experts(model).values():
+        for experts in find_expert_modules(model).values():
             attachment.add(experts_activation(experts).register_forward_hook(maxima.hook("expert_activation")))
             attachment.add(experts.register_forward_hook(maxima.hook("expert_output")))
         for name, router in routers.items():

@@ -44,17 +44,29 @@ COMPARED = [metric for metric in SHOWN if metric[0] in
             ("eval_loss", "final_max_vio", "mean_max_vio", "max_expert_activation", "max_attention_logit")]
 
 
+# A metric a run could not measure (NaN in its .json) is shown as this, and compared with nothing.
+NOT_MEASURED = "n/a"
+
+
+def measured(values: list[float]) -> bool:
+    return not any(math.isnan(value) for value in values)
+
+
 def spread(values: list[float]) -> float:
-    return statistics.stdev(values) if len(values) > 1 else math.nan
+    return statistics.stdev(values) if len(values) > 1 and measured(values) else math.nan
 
 
 def mean_and_std(values: list[float], form: str) -> str:
+    if not measured(values):
+        return NOT_MEASURED
     mean, std = statistics.fmean(values), spread(values)
     return form.format(mean) + ("" if math.isnan(std) else " ± " + form.format(std))
 
 
 def difference(row: list[float], baseline: list[float], form: str) -> str:
     """The difference of the means, and whether it exceeds twice the pooled seed spread."""
+    if not measured(row + baseline):
+        return NOT_MEASURED
     delta = statistics.fmean(row) - statistics.fmean(baseline)
     pooled = math.sqrt((spread(row) ** 2 + spread(baseline) ** 2) / 2)
     text = ("+" if delta >= 0 else "") + form.format(delta)
@@ -148,6 +160,8 @@ def paired_difference(row: dict[int, float], baseline: dict[int, float], form: s
     deltas = [row[seed] - baseline[seed] for seed in sorted(row.keys() & baseline.keys())]
     if not deltas:
         return "no common seed"
+    if not measured(deltas):
+        return NOT_MEASURED
     mean, std = statistics.fmean(deltas), spread(deltas)
     text = ("+" if mean >= 0 else "") + form.format(mean)
     if math.isnan(std):
@@ -183,6 +197,10 @@ def mean_curve(runs: list[dict], key: str) -> list[tuple[int, float]]:
 def curves_png(rows: list, results: dict[str, list[dict]], key: str, ylabel: str) -> bytes:
     figure = new_figure(figsize=(9, 5.5))
     axis = figure.subplots()
+    # Ten colours, solid then dashed: twenty rows each with a line of its own (the default cycle repeats after ten).
+    colours = [f"tab:{name}" for name in ("blue", "orange", "green", "red", "purple", "brown", "pink", "gray", "olive",
+                                           "cyan")]
+    axis.set_prop_cycle(color=colours * 2, linestyle=["-"] * 10 + ["--"] * 10)
     curves = {row.name: mean_curve(results[row.name], key) for row in rows}
     if key == "max_vio_curve":
         plot_max_vio(axis, curves)
@@ -190,10 +208,10 @@ def curves_png(rows: list, results: dict[str, list[dict]], key: str, ylabel: str
         for name, points in curves.items():
             axis.plot([step for step, _ in points], [value for _, value in points], label=name)
         axis.set(xlabel="optimizer step", ylabel=ylabel)
-        axis.legend(fontsize="small", ncols=2)
+    axis.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the curves, not over them
     axis.set_title(f"{ylabel}, mean over seeds")
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=100)
+    figure.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
     return buffer.getvalue()
 
 

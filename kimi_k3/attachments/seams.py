@@ -75,6 +75,17 @@ def find_routed_experts(model: nn.Module) -> dict[str, nn.Module]:
     }
 
 
+def find_expert_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Every routed-experts module by name, however it holds its weights (fused 3-D parameters, or the shared basis of
+    ``variants_kimi_k3.py`` they are materialised from): the ``experts`` beside a router. For code that watches what
+    the experts compute; code that rewrites their weights wants `find_routed_experts`."""
+    return {
+        f"{name}.experts" if name else "experts": module.experts
+        for name, module in model.named_modules()
+        if _is_router(getattr(module, "gate", None)) and isinstance(getattr(module, "experts", None), nn.Module)
+    }
+
+
 def find_situ_activations(model: nn.Module) -> dict[str, nn.Module]:
     """Every SiTU-GLU activation module by name (dense MLP, shared and routed experts); none when ``hidden_act`` names
     another activation."""

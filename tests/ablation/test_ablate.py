@@ -11,12 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from datasets import Dataset
 from safetensors.torch import load_file
 
+from configuration_kimi_k3 import KimiK3Config
 from kimi_k3.ablation import cli, report
+from kimi_k3.ablation.measure import evaluation_record
 from kimi_k3.ablation.report import difference, mean_and_std, mean_curve, paired_difference, run_machines
 from kimi_k3.ablation.rows import QUICK_MODEL, ROWS, AblationError, check_applies
 from kimi_k3.text import corpus as data
+from modeling_kimi_k3 import KimiK3ForCausalLM
 from tests.conftest import ROOT, TINY_CONFIG
 
 TINY_MODEL = {key: value for key, value in TINY_CONFIG.items() if key != "vocab_size"}
@@ -80,6 +84,25 @@ def test_paired_difference_compares_the_per_seed_differences_with_their_own_spre
     assert paired_difference({0: 1.3, 1: 1.1}, {0: 1.0, 1: 1.2}, "{:.2f}") == "+0.10 ± 0.28 no"
     assert paired_difference({0: 1.5}, {0: 1.0}, "{:.1f}") == "+0.5"  # one common seed: no spread
     assert paired_difference({1: 1.5}, {0: 1.0}, "{:.1f}") == "no common seed"
+
+
+def test_a_metric_a_run_could_not_measure_is_shown_as_such_and_compared_with_nothing():
+    assert mean_and_std([math.nan, 1.0], "{:.2f}") == "n/a"
+    assert difference([1.0, 2.0], [math.nan, 1.0], "{:.2f}") == "n/a"
+    assert paired_difference({0: math.nan, 1: 2.0}, {0: 1.0, 1: 1.0}, "{:.2f}") == "n/a"
+
+
+@pytest.mark.parametrize("row", [row for row in ROWS.values() if row.overrides or row.derive])
+def test_every_model_row_measures_its_routed_experts_and_attention(row):
+    """The evaluation pass finds the routed experts of every model a row builds (the shared-basis experts hold no fused
+    weight parameters) and its MLA logits: a row's activation maxima are numbers, not gaps in the table."""
+    config = KimiK3Config(**{**QUICK_MODEL, **check_applies(row, QUICK_MODEL)})
+    model = KimiK3ForCausalLM(config).eval()
+    input_ids = torch.randint(3, config.vocab_size, (3, 17), generator=torch.Generator().manual_seed(0))
+    blocks = Dataset.from_dict({"input_ids": input_ids.tolist(), "labels": input_ids.tolist()})
+    record = evaluation_record(model, blocks)
+    assert all(math.isfinite(value) for value in record.values()), record
+    assert record["max_expert_activation"] > 0 and record["max_attention_logit"] > 0
 
 
 def test_a_matrix_trained_on_several_machines_says_so_with_the_runs_of_each():
