@@ -53,6 +53,8 @@ MATMULS = {
     # KDA's T = (I + L)^-1 (forward substitution): n² multiply-adds per right-hand column of an n x n system.
     aten.linalg_solve_triangular.default: lambda a, b, *_: math.prod(b.shape) * a.shape[-1],
 }
+# Products without a 16-bit CPU kernel (torch 2.13): a floor in 16 bits replays them in their recorded dtype.
+RECORDED_DTYPE_ONLY = {aten.linalg_solve_triangular.default}
 MATMUL_NAMES = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm",
                 "aten::linalg_solve_triangular"}
 DATA_MOVEMENT_NAMES = {
@@ -248,7 +250,7 @@ class MatmulFloor:
         generator = torch.Generator().manual_seed(0)
         prepared = []
         for (func, args, kwargs), count in self.calls.items():
-            args = tuple(_in_dtype(entry, dtype) for entry in args)
+            args = tuple(_in_dtype(entry, None if func in RECORDED_DTYPE_ONLY else dtype) for entry in args)
             materialised = _grouped_offsets([_materialise(entry, generator) for entry in args], args)
             prepared.append((func, materialised, dict(_materialise(entry, generator) for entry in kwargs), count))
 
