@@ -1,0 +1,19 @@
+"""The step's matmul floor (benchmarks/step_profile.py) replays what it recorded, in 16 bits too."""
+
+import torch
+
+from benchmarks.step_profile import MatmulFloor, MatmulRecorder
+
+
+def test_a_floor_replays_its_products_in_16_bits_and_those_without_a_16_bit_kernel_as_recorded():
+    """KDA's triangular solve has no bf16 CPU kernel: a bf16 floor keeps it in its recorded dtype, the rest in bf16."""
+    generator = torch.Generator().manual_seed(0)
+    system = torch.randn(2, 16, 16, generator=generator).triu() + 4 * torch.eye(16)
+    right, matrix = torch.randn(2, 16, 5, generator=generator), torch.randn(7, 16, generator=generator)
+    with MatmulRecorder() as recorder:
+        torch.linalg.solve_triangular(system, right, upper=True)
+        matrix @ right[0]
+    floor = MatmulFloor(recorder.calls)
+    assert floor.count == 2 and floor.flops == 2 * 16 * 5 * 16 + 2 * 7 * 16 * 5
+    for dtype in (None, torch.bfloat16):
+        floor.replay(dtype)()
