@@ -9,6 +9,7 @@ Balancing attached to the optimizer's step hooks, and torch's deterministic algo
   elementwise and reductions, data movement, the compiled SiTU-GLU kernels); the step's wall time not spent inside
   any operator is Python and dispatch. The profiler adds a few microseconds per operator, so the per-operator
   classes are taken from the profile and the Python/dispatch share is the unprofiled wall time minus them.
+- **QK-Clip's cost**: the same step without QK-Clip, timed interleaved with it.
 - **Matmul floor**: every matrix product of one step (forward, backward, Newton–Schulz), recorded with its shapes by
   a dispatch mode, then replayed back to back on fresh tensors of the same shapes, strides and dtypes. That is the
   time the step would take if everything but its matrix products were free.
@@ -97,7 +98,7 @@ class JobStep:
 
 
 def job_training_step(batch_size: int = JOB_BATCH[0], seq_len: int = JOB_BATCH[1], seed: int = 0,
-                      fused_situ: bool = True) -> JobStep:
+                      fused_situ: bool = True, qk_clip: bool = True) -> JobStep:
     """The default `kimi-k3-train` training step on random tokens (see the module docstring)."""
     torch.manual_seed(seed)
     config = KimiK3Config()
@@ -106,7 +107,8 @@ def job_training_step(batch_size: int = JOB_BATCH[0], seq_len: int = JOB_BATCH[1
         use_fused_situ(model)
     optimizer = PerHeadMuon.for_model(model, lr=3e-3, weight_decay=0.1, adamw_betas=(0.9, 0.95))
     QuantileBalancing(model).attach(optimizer, model)
-    QKClip(model, 100.0).attach(optimizer, model)
+    if qk_clip:
+        QKClip(model, 100.0).attach(optimizer, model)
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(3, config.vocab_size, (batch_size, seq_len), generator=generator)
     return JobStep(model, optimizer, input_ids)
@@ -305,12 +307,18 @@ def run(profiled_steps: int = 3, repeats: int = 3, fill_uninitialized_memory: bo
     step = job_training_step()
     for _ in range(2):  # compiles the fused SiTU-GLU, allocates the optimizer state
         step()
-    times = time_interleaved({"step": step, "floor": floor.replay()}, repeats=repeats)
+    # The same step without QK-Clip (it watches every MLA logit in training forwards): what the policy costs.
+    without_qk_clip = job_training_step(qk_clip=False)
+    for _ in range(2):
+        without_qk_clip()
+    times = time_interleaved({"step": step, "without QK-Clip": without_qk_clip, "floor": floor.replay()},
+                             repeats=repeats)
     phases = phase_times(step, repeats)
     profile = least_disturbed_profile(step, profiled_steps)
     wall, gemm = times["step"], large_gemm_rate()
     summary = {
         "step ms": 1e3 * wall, "tokens/s": step.input_ids.numel() / wall,
+        "step without QK-Clip ms": 1e3 * times["without QK-Clip"],
         **{f"{name} ms": 1e3 * seconds for name, seconds in phases.items()},
         "matmul floor ms": 1e3 * times["floor"], "step / floor": wall / times["floor"],
         "matmul GFLOP / step": floor.flops / 1e9, "step GFLOP/s": floor.flops / wall / 1e9,

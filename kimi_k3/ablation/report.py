@@ -53,7 +53,7 @@ def measured(values: list[float]) -> bool:
 
 
 def spread(values: list[float]) -> float:
-    return statistics.stdev(values) if len(values) > 1 and measured(values) else math.nan
+    return statistics.stdev(values) if len(values) > 1 else math.nan
 
 
 def mean_and_std(values: list[float], form: str) -> str:
@@ -195,12 +195,13 @@ def mean_curve(runs: list[dict], key: str) -> list[tuple[int, float]]:
 
 
 def curves_png(rows: list, results: dict[str, list[dict]], key: str, ylabel: str) -> bytes:
+    import matplotlib  # the plot extra, checked by the caller
+    from cycler import cycler
+
     figure = new_figure(figsize=(9, 5.5))
     axis = figure.subplots()
-    # Ten colours, solid then dashed: twenty rows each with a line of its own (the default cycle repeats after ten).
-    colours = [f"tab:{name}" for name in ("blue", "orange", "green", "red", "purple", "brown", "pink", "gray", "olive",
-                                           "cyan")]
-    axis.set_prop_cycle(color=colours * 2, linestyle=["-"] * 10 + ["--"] * 10)
+    # matplotlib's colours solid, then dashed: twenty rows each with a line of its own (its cycle repeats after ten).
+    axis.set_prop_cycle(cycler(linestyle=["-", "--"]) * matplotlib.rcParams["axes.prop_cycle"])
     curves = {row.name: mean_curve(results[row.name], key) for row in rows}
     if key == "max_vio_curve":
         plot_max_vio(axis, curves)
