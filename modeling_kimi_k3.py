@@ -916,6 +916,9 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         if config.enabled_variants:
             build_variants(self, config)
 
+    # The AttnRes seam: ``kimi_k3.kernels.fused_attention_residual`` swaps in compiled kernels for training.
+    attention_residual = staticmethod(block_attention_residual)
+
     def feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         hidden_states = self.post_attention_layernorm(hidden_states)
         if hasattr(self, "block_sparse_moe"):
@@ -942,7 +945,7 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         # whether or not the layer is wrapped (FSDP, checkpointing), so sharded runs match single-process ones bitwise.
         bank = torch.stack(blocks, dim=-2) if blocks else None
         mixer_input = (
-            block_attention_residual(block_sum, bank, self.self_attention_res_proj, self.self_attention_res_norm)
+            self.attention_residual(block_sum, bank, self.self_attention_res_proj, self.self_attention_res_norm)
             if bank is not None
             else block_sum
         )
@@ -953,7 +956,7 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
             bank = snapshot.unsqueeze(-2) if bank is None else torch.cat([bank, snapshot.unsqueeze(-2)], dim=-2)
         mixed, _ = self.self_attn(self.input_layernorm(mixer_input), attention_mask, cache=cache, **kwargs)
         block_sum = mixed if starts_block else block_sum + mixed
-        ffn_input = block_attention_residual(block_sum, bank, self.mlp_res_proj, self.mlp_res_norm)
+        ffn_input = self.attention_residual(block_sum, bank, self.mlp_res_proj, self.mlp_res_norm)
         return block_sum + self.feed_forward(ffn_input), snapshot
 
 
@@ -1082,6 +1085,8 @@ class KimiK3Model(KimiK3PreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    attention_residual = staticmethod(block_attention_residual)  # the output's AttnRes: the layers' seam
+
     @accepts_legacy_cache_name
     @merge_with_config_defaults
     @capture_outputs
@@ -1130,7 +1135,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
                 blocks.append(snapshot)
         hidden_states = block_sum
         if self.output_attn_res_proj is not None:
-            hidden_states = block_attention_residual(
+            hidden_states = self.attention_residual(
                 block_sum, torch.stack(blocks, dim=-2), self.output_attn_res_proj, self.output_attn_res_norm
             )
         return MoeModelOutputWithPast(

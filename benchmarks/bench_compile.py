@@ -5,7 +5,7 @@ with the cache that run left (what a second job on the same machine sees). Per c
 (compilation included), the steady step, a step at a new sequence length and the compiler's own phase times
 (`torch._dynamo.utils.compile_times`: tracing, AOT autograd, inductor code generation, the C++ compiler).
 
-- ``eager``: no compilation beyond the fused SiTU-GLU kernels the job attaches.
+- ``eager``: no compilation beyond the fused SiTU-GLU and AttnRes kernels the job attaches.
 - ``whole model``: ``torch.compile(model)``.
 - ``decoder layers``: ``layer.compile()`` on every decoder layer (regional compilation). The layers of one kind share
   their code, so dynamo traces each kind once and every other layer reuses it.

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
 from transformers.utils import logging  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
-from kimi_k3.kernels.fused_situ import use_fused_situ  # noqa: E402
+from kimi_k3.kernels.training import use_fused_kernels  # noqa: E402
 from kimi_k3.optim.precision import cpu_has_native_bf16  # noqa: E402
 from modeling_kimi_k3 import KimiK3ForCausalLM  # noqa: E402
 
@@ -88,7 +88,7 @@ def build(family: str) -> torch.nn.Module:
     if family != "k3":
         return KimiLinearForCausalLM(kimi_linear_config(config)).train()
     model = KimiK3ForCausalLM(config)
-    use_fused_situ(model)  # as the training job does
+    use_fused_kernels(model)  # as the training job does
     return model.train()
 
 

@@ -1,13 +1,14 @@
 """Where the default training step spends its time, and the floor its own matrix products set.
 
 The step is the one `kimi-k3-train` runs with its defaults: the default `KimiK3Config()` (4,096-token vocabulary),
-batch 8 x 128, the fused SiTU-GLU, Per-Head Muon (Newton–Schulz in the precision the CPU picks), QK-Clip and Quantile
-Balancing attached to the optimizer's step hooks, and torch's deterministic algorithms (the job's
-``full_determinism``) without their filling of new tensors (as the job's Trainer). Forward, loss, backward, optimizer step and the policies' updates; no data loading.
+batch 8 x 128, the fused SiTU-GLU and Block AttnRes kernels, Per-Head Muon (Newton–Schulz in the precision the CPU
+picks), QK-Clip and Quantile Balancing attached to the optimizer's step hooks, and torch's deterministic algorithms (the
+job's ``full_determinism``) without their filling of new tensors (as the job's Trainer). Forward, loss, backward,
+optimizer step and the policies' updates; no data loading.
 
 - **Breakdown**: torch's profiler on a few steps; each operator's *self* CPU time goes to one class (matmuls,
-  elementwise and reductions, data movement, the compiled SiTU-GLU kernels); the step's wall time not spent inside
-  any operator is Python and dispatch. The profiler adds a few microseconds per operator, so the per-operator
+  elementwise and reductions, data movement, the compiled SiTU-GLU and AttnRes kernels); the step's wall time not
+  spent inside any operator is Python and dispatch. The profiler adds a few microseconds per operator, so the per-operator
   classes are taken from the profile and the Python/dispatch share is the unprofiled wall time minus them.
 - **QK-Clip's cost**: the same step without QK-Clip, timed interleaved with it.
 - **Matmul floor**: every matrix product of one step (forward, backward, Newton–Schulz), recorded with its shapes by
@@ -32,7 +33,7 @@ from benchmarks.common import bench_arguments, report, time_interleaved  # noqa:
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
-from kimi_k3.kernels.fused_situ import use_fused_situ  # noqa: E402
+from kimi_k3.kernels.training import use_fused_kernels  # noqa: E402
 from kimi_k3.optim.muon import PerHeadMuon  # noqa: E402
 from kimi_k3.policies.qk_clip import QKClip  # noqa: E402
 from kimi_k3.policies.quantile_balancing import QuantileBalancing  # noqa: E402
@@ -98,13 +99,13 @@ class JobStep:
 
 
 def job_training_step(batch_size: int = JOB_BATCH[0], seq_len: int = JOB_BATCH[1], seed: int = 0,
-                      fused_situ: bool = True, qk_clip: bool = True) -> JobStep:
+                      fused_kernels: bool = True, qk_clip: bool = True) -> JobStep:
     """The default `kimi-k3-train` training step on random tokens (see the module docstring)."""
     torch.manual_seed(seed)
     config = KimiK3Config()
     model = KimiK3ForCausalLM(config).train()
-    if fused_situ:
-        use_fused_situ(model)
+    if fused_kernels:
+        use_fused_kernels(model)
     optimizer = PerHeadMuon.for_model(model, lr=3e-3, weight_decay=0.1, adamw_betas=(0.9, 0.95))
     QuantileBalancing(model).attach(optimizer, model)
     if qk_clip:
@@ -122,7 +123,7 @@ def operator_class(name: str) -> str:
     if name in VIEW_NAMES:
         return "views and scalars (dispatch)"
     if "CompiledFxGraph" in name:
-        return "compiled SiTU-GLU"
+        return "compiled kernels (SiTU-GLU, AttnRes)"
     if "convolution" in name:
         return "short convolution"
     if name.startswith("aten::"):
@@ -284,9 +285,9 @@ def _shapes_only(args) -> list:
 
 def record_matmuls(batch_size: int = JOB_BATCH[0], seq_len: int = JOB_BATCH[1]) -> MatmulFloor:
     """The matrix products of one job step (its second: the first allocates the optimizer state), taken from a step
-    of its own with the eager SiTU-GLU: the compiled kernels, shared by the process, stop running compiled after a
-    call under a dispatch mode, and SiTU-GLU has no matrix product."""
-    step = job_training_step(batch_size, seq_len, fused_situ=False)
+    of its own with the eager references: the compiled kernels, shared by the process, stop running compiled after a
+    call under a dispatch mode, and neither SiTU-GLU nor AttnRes has a matrix product."""
+    step = job_training_step(batch_size, seq_len, fused_kernels=False)
     step()
     with MatmulRecorder() as recorder:
         step()
@@ -305,7 +306,7 @@ def run(profiled_steps: int = 3, repeats: int = 3, fill_uninitialized_memory: bo
     torch.utils.deterministic.fill_uninitialized_memory = fill_uninitialized_memory  # the job's Trainer turns it off
     floor = record_matmuls()
     step = job_training_step()
-    for _ in range(2):  # compiles the fused SiTU-GLU, allocates the optimizer state
+    for _ in range(2):  # compiles the fused kernels, allocates the optimizer state
         step()
     # The same step without QK-Clip (it watches every MLA logit in training forwards): what the policy costs.
     without_qk_clip = job_training_step(qk_clip=False)

@@ -1,7 +1,7 @@
 """The default training job (`kimi-k3-train`, 150 steps on the embedded corpus) for the release default and each
 opt-in Stable LatentMoE variant, one after another, each in a fresh process: eval perplexity, MaxVio, step time.
 
-Every run is the job with its defaults (Per-Head Muon, Quantile Balancing, QK-Clip, fused SiTU-GLU) plus the
+Every run is the job with its defaults (Per-Head Muon, Quantile Balancing, QK-Clip, fused SiTU-GLU and AttnRes) plus the
 variant's ``--config_overrides`` (expert merging: its job flags). The step time is the median wall time from a
 step's start to the end of its callbacks (balancing update, expert merging), over the steps after the first ten
 (the first compiles the fused kernels); evaluations and checkpoint saves fall outside it. Runs are sequential: on a

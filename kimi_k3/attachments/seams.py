@@ -1,8 +1,9 @@
 """Where training code meets a Kimi K3 model: every module a policy, quantizer or kernel acts on, found in one place.
 
-The model declares two seams (``modeling_kimi_k3.py``): every SiTU-GLU runs through a ``KimiK3GLUActivation``
+The model declares three seams (``modeling_kimi_k3.py``): every SiTU-GLU runs through a ``KimiK3GLUActivation``
 module, the routed experts' too (their ``_apply_gate``, transformers' experts protocol, hands the activation module
-the concatenated ``[gate ‖ up]``), so a kernel attaches to one kind of module; and each MLA layer passes its
+the concatenated ``[gate ‖ up]``), so a kernel attaches to one kind of module; every Block AttnRes mix goes through
+its module's ``attention_residual`` (decoder layers, and the model for the output mix); and each MLA layer passes its
 queries and keys to its ``query_key_observer``. Routers and routed experts are found by the tensors their policies
 read and write. Every rule matches the installed classes and ``trust_remote_code`` copies of them alike, inside
 any wrapper (DDP, PEFT, accelerate).
@@ -14,6 +15,8 @@ import torch
 from torch import nn
 
 SITU_ACTIVATION = "KimiK3GLUActivation"
+PSEUDO_QUERY = "KimiK3PseudoQuery"
+RMS_NORM = "KimiK3RMSNorm"
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 NESTED_ROUTER = "coarse_gate"
 
@@ -93,6 +96,17 @@ def find_situ_activations(model: nn.Module) -> dict[str, nn.Module]:
         name: module
         for name, module in model.named_modules()
         if type(module).__name__ == SITU_ACTIVATION and getattr(module, "act_fn", None) is None
+    }
+
+
+def find_attention_residual_sites(model: nn.Module) -> dict[str, nn.Module]:
+    """Every module that mixes Block AttnRes through its ``attention_residual`` (the decoder layers, and the model
+    for its output mix), by name: those holding a pseudo-query; none when ``attn_res_block_size`` is None."""
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if callable(getattr(module, "attention_residual", None))
+        and any(type(child).__name__ == PSEUDO_QUERY for child in module.children())
     }
 
 

@@ -119,6 +119,11 @@ class ModelArguments:
         metadata={"help": "Compile SiTU-GLU and its backward into one kernel each (torch.compile, once per process); "
                           "--no_fused_situ trains with the model's eager reference."},
     )
+    fused_attention_residuals: bool = field(
+        default=True,
+        metadata={"help": "Compile each Block AttnRes mix and its backward into one kernel each (torch.compile, once "
+                          "per process); --no_fused_attention_residuals trains with the model's eager reference."},
+    )
     qk_clip_tau: str = field(
         default=DEFAULT_QK_CLIP_TAU,
         metadata={"help": "QK-Clip threshold on every MLA head's max attention logit after each optimizer step "
@@ -254,6 +259,7 @@ def parse_args(argv: list[str] | None) -> tuple[ModelArguments, DataArguments, C
     complements = {
         "--no_quantile_balancing": "Leave the router bias alone (loads are still logged).",
         "--no_fused_situ": "Train with the model's eager SiTU-GLU (no torch.compile).",
+        "--no_fused_attention_residuals": "Train with the model's eager Block AttnRes (no torch.compile).",
     }
     for action in parser._actions:
         for option in set(action.option_strings) & complements.keys():

@@ -59,7 +59,7 @@ from kimi_k3.job.resume_manifest import CheckpointFileError, check_trainer_files
 from kimi_k3.job.run_settings import check_unchanged, run_settings
 from kimi_k3.job.resumable import ResumableCallback, TrainingClock
 from kimi_k3.job.trainer import KimiK3Trainer, SaveError, check_resumable, finished_step
-from kimi_k3.kernels.fused_situ import use_fused_situ
+from kimi_k3.kernels.training import use_fused_kernels
 from kimi_k3.optim.muon import PerHeadMuonFactory
 from kimi_k3.optim.precision import warn_if_bf16_is_emulated
 from kimi_k3.policies.auxiliary_balance_loss import AuxiliaryBalanceLossCallback
@@ -244,8 +244,7 @@ def build_model(model_args: ModelArguments, tokenizer, checkpoint: str | None,
     else:
         model = KimiK3ForCausalLM(config)
     check_tokenizer_fits(tokenizer, model.config)
-    if model_args.fused_situ:
-        use_fused_situ(model)
+    use_fused_kernels(model, situ=model_args.fused_situ, attention_residuals=model_args.fused_attention_residuals)
     if qk_clip_tau is not None and not model.config.mla_layer_indices:
         raise UsageError(
             f"--qk_clip_tau {model_args.qk_clip_tau}: QK-Clip rescales MLA heads but the model has no MLA "

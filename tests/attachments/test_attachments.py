@@ -1,5 +1,5 @@
 """One attachment protocol: every feature that acts on the model from outside (Quantile Balancing, QK-Clip, QAT, fused
-SiTU-GLU) attaches through the model's seams and returns a handle; attached together they share one padding tracker
+SiTU-GLU and Block AttnRes) attaches through the model's seams and returns a handle; attached together they share one padding tracker
 and never set the same attribute, a refused attachment leaves nothing behind, and removing them leaves the model
 bitwise as it was."""
 
@@ -8,6 +8,7 @@ import torch
 
 from kimi_k3.attachments.handle import attribute_owners
 from kimi_k3.attachments.seams import decoder_stack, find_mla_layers
+from kimi_k3.kernels.fused_attention_residual import use_fused_attention_residuals
 from kimi_k3.kernels.fused_situ import use_fused_situ
 from kimi_k3.optim.muon import PerHeadMuon
 from kimi_k3.policies.qk_clip import QKClip
@@ -35,6 +36,7 @@ def module_state(model) -> dict[str, dict[str, object]]:
 def attach_everything(model, optimizer) -> list:
     return [
         use_fused_situ(model, min_elements=1),
+        use_fused_attention_residuals(model, min_elements=1),
         attach_qat(model, "mxfp4", activations="mxfp8"),
         QuantileBalancing(model).attach(optimizer),
         QKClip(model, tau=100.0).attach(optimizer),
@@ -74,6 +76,7 @@ def test_attached_features_each_hold_their_own_attributes():
     attach_everything(model, PerHeadMuon.for_model(model, lr=1e-2))
     layer = model.model.layers[1].block_sparse_moe
     assert attribute_owners(layer.experts.glu) == {"forward": "fused SiTU-GLU"}
+    assert attribute_owners(model.model.layers[1]) == {"attention_residual": "fused Block AttnRes"}
     assert attribute_owners(layer.experts) == {"gate_up_proj": "QAT mxfp4", "down_proj": "QAT mxfp4"}
     assert all(attribute_owners(attn) == {"query_key_observer": "QK-Clip"} for attn in find_mla_layers(model).values())
 
