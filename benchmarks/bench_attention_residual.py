@@ -4,9 +4,10 @@
 Candidates, timed interleaved, forward and forward+backward (the gradients of the partial sum, the snapshots and
 both weights):
 - eager: `block_attention_residual`, the model's reference (its norm and pseudo-query run their own forwards);
-- fused: `fused_attention_residual`, what training uses (`FusedAttentionResidual`: the reference compiled, and the
-  compiled `torch.func.vjp` of it as the backward);
-- autograd-compiled: `torch.compile` of the reference, inductor deriving the backward itself through AOTAutograd.
+- fused: `fused_attention_residual`, what training uses: the reference on its weights as tensors, compiled with its
+  backward (AOTAutograd), the backward compiled with the forward so that a failure falls back to the reference;
+- `torch.compile` of the reference as the model calls it (modules as arguments), the same compilation without the
+  fallback.
 
 Compilation happens in the warm-up round and is not timed.
 
@@ -40,8 +41,7 @@ def case(shape: tuple[int, int, int], repeats: int) -> list[dict]:
     candidates = {
         "eager block_attention_residual": block_attention_residual,
         "fused_attention_residual (training)": fused_attention_residual,
-        "torch.compile(block_attention_residual), autograd backward": torch.compile(block_attention_residual,
-                                                                                    dynamic=True),
+        "torch.compile(block_attention_residual)": torch.compile(block_attention_residual, dynamic=True),
     }
     timed = {}
     for name, mix in candidates.items():

@@ -186,6 +186,11 @@ BORROWED_API = [
                 "kimi_k3.kernels.compiled.isa_safe_compile_caches: kernels compiled under ATEN_CPU_CAPABILITY=avx2 never "
                 "reach (or come from) an unrestricted process's cache",
                 lambda: hasattr(importlib.import_module("torch._inductor.config"), "fx_graph_cache")),
+    # AOTAutograd compiles a backward lazily, at the first backward() (torch 2.13), where a failure cannot fall back.
+    BorrowedApi("torch._functorch.config.patch(force_non_lazy_backward_lowering=True)",
+                "kimi_k3.kernels.compiled.backward_compiled_with_forward: a differentiable kernel's backward is compiled "
+                "in its forward call, so a backward that cannot be compiled falls back to the eager function there",
+                lambda: hasattr(importlib.import_module("torch._functorch.config"), "force_non_lazy_backward_lowering")),
     # Benchmarks only: torch keeps no public way to see every ATen call of a backward pass, or the compiler's phases.
     BorrowedApi("torch.utils._python_dispatch.TorchDispatchMode",
                 "benchmarks/step_profile.py records the shapes of every matrix product of a training step, forward, "

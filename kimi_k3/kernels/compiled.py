@@ -25,6 +25,14 @@ def isa_safe_compile_caches() -> contextlib.AbstractContextManager:
     return inductor_config.patch(fx_graph_cache=False)
 
 
+def backward_compiled_with_forward() -> contextlib.AbstractContextManager:
+    """AOTAutograd compiling a differentiable function's backward when it compiles the forward, not at the first
+    ``loss.backward()``: a failure then surfaces in the forward call, where the eager function can take over."""
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(force_non_lazy_backward_lowering=True)
+
+
 class CompiledFunction:
     """``function`` compiled by ``torch.compile`` on first call, with dynamic shapes, shared by all its callers.
 
@@ -32,11 +40,18 @@ class CompiledFunction:
     already-compiled region the eager function is traced into the outer graph instead. If compilation fails (no C++
     compiler for inductor's CPU code, no Triton on a GPU, a Python that dynamo does not support) the eager function
     is used from then on, after one warning; the kernel's own runtime errors (e.g. out of memory) propagate.
+
+    ``differentiable=True`` is for a function called on tensors that require grad: AOTAutograd derives its backward,
+    and compiles it with the forward (`backward_compiled_with_forward`), so that a backward that cannot be compiled
+    falls back like a forward that cannot. ``backend`` is ``torch.compile``'s.
     """
 
-    def __init__(self, function: Callable, skip_hint: str = "train with --no_fused_situ to skip the attempt"):
+    def __init__(self, function: Callable, skip_hint: str = "train with --no_fused_situ to skip the attempt",
+                 differentiable: bool = False, backend: str | Callable = "inductor"):
         self.function = function
         self.skip_hint = skip_hint
+        self.differentiable = differentiable
+        self.backend = backend
         self.compiled: Callable | None = None
         self.failed = False
 
@@ -45,11 +60,12 @@ class CompiledFunction:
             return self.function(*args)
         if self.compiled is None:
             try:
-                self.compiled = torch.compile(self.function, dynamic=True)
+                self.compiled = torch.compile(self.function, dynamic=True, backend=self.backend)
             except RuntimeError as error:
                 return self._fall_back(error, args)
+        backward = backward_compiled_with_forward() if self.differentiable else contextlib.nullcontext()
         try:
-            with isa_safe_compile_caches():
+            with isa_safe_compile_caches(), backward:
                 return self.compiled(*args)
         except Exception as error:
             from torch._dynamo.exc import TorchDynamoException  # loaded by the compiled call

@@ -4,11 +4,14 @@ Each AttnRes site (two per decoder layer, one before the final norm; Attention R
 block snapshots and the running partial sum: a concatenation, an RMSNorm, a pseudo-query dot product, a softmax over
 the blocks and a weighted sum. Eagerly that is about fifteen memory passes over ``[batch, tokens, blocks, hidden]``
 forward and twice as many backward, and on the default model it was the largest group of elementwise work in the
-training step. Here each direction is one compiled kernel: the forward is the model's own
-`modeling_kimi_k3.block_attention_residual`, run with stand-ins for its norm and pseudo-query modules that carry their
-weights as tensors, and the backward is the compiled ``torch.func.vjp`` of that same function, recomputing the mix from
-the kept inputs. `use_fused_attention_residuals(model)` swaps it in at every module's ``attention_residual`` (the
-decoder layers and the model's output mix), the way `kimi_k3.kernels.fused_situ` serves the activation modules.
+training step. Here it is the model's own `modeling_kimi_k3.block_attention_residual`, run with stand-ins for its norm
+and pseudo-query modules that carry their weights as tensors, compiled for training: AOTAutograd derives the backward
+and chooses what to keep from the forward, and inductor fuses each direction into a few loops. (The
+compiled ``torch.func.vjp`` of the mix, which recomputes it from the inputs as `kimi_k3.kernels.fused_situ` does for
+SiTU-GLU, was 1.4-1.7x slower here: `benchmarks/bench_attention_residual.py`.) The backward is compiled together with
+the forward, so a failure to compile either falls back to the reference. `use_fused_attention_residuals(model)` swaps
+the kernel in at every module's ``attention_residual`` (the decoder layers and the model's output mix), the way
+`kimi_k3.kernels.fused_situ` serves the activation modules.
 
 A site keeps the model's reference, where the norm and the pseudo-query run their own forwards, whenever those modules
 are not the plain ones (hooks on them, a PEFT adapter wrapping them), their tensors are not plain tensors (tensor
@@ -21,7 +24,6 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from kimi_k3.attachments.handle import Attachment, undone_on_failure
 from kimi_k3.attachments.seams import PSEUDO_QUERY, RMS_NORM, find_attention_residual_sites
@@ -52,22 +54,13 @@ def attention_residual(block_sum: torch.Tensor, bank: torch.Tensor, norm_weight:
     return block_attention_residual(block_sum, bank, query, norm)
 
 
-def attention_residual_gradients(block_sum: torch.Tensor, bank: torch.Tensor, norm_weight: torch.Tensor,
-                                 query_weight: torch.Tensor, eps: float, grad_output: torch.Tensor):
-    """Autograd's gradients of `attention_residual` for its four tensors, through ``torch.func.vjp``: compiled, the
-    forward it recomputes and its backward are one graph."""
-    _, vjp = torch.func.vjp(partial(attention_residual, eps=eps), block_sum, bank, norm_weight, query_weight)
-    return vjp(grad_output)
-
-
 @dataclass
 class AttentionResidualKernels:
-    """The compiled forward and backward, shared by every site of every model attached with `SHARED_KERNELS`: one
-    compilation per process (dynamic shapes cover every number of blocks)."""
+    """The compiled mix, shared by every site of every model attached with `SHARED_KERNELS`: one compilation per
+    process (dynamic shapes cover every number of blocks)."""
 
-    output: CompiledFunction = field(default_factory=lambda: CompiledFunction(attention_residual, SKIP_HINT))
-    gradients: CompiledFunction = field(
-        default_factory=lambda: CompiledFunction(attention_residual_gradients, SKIP_HINT))
+    mix: CompiledFunction = field(
+        default_factory=lambda: CompiledFunction(attention_residual, SKIP_HINT, differentiable=True))
 
     def all(self) -> tuple[CompiledFunction, ...]:
         return tuple(getattr(self, kernel.name) for kernel in fields(self))
@@ -76,25 +69,9 @@ class AttentionResidualKernels:
 SHARED_KERNELS = AttentionResidualKernels()
 
 
-class FusedAttentionResidual(torch.autograd.Function):
-    """Block AttnRes whose forward and backward are each one compiled kernel of ``kernels``; the backward recomputes
-    the norm and the mix from the kept inputs rather than keeping ``[batch, tokens, blocks, hidden]`` intermediates."""
-
-    @staticmethod
-    def forward(ctx, block_sum, bank, norm_weight, query_weight, eps, kernels: AttentionResidualKernels):
-        ctx.eps, ctx.kernels = eps, kernels
-        ctx.save_for_backward(block_sum, bank, norm_weight, query_weight)
-        return kernels.output(block_sum, bank, norm_weight, query_weight, eps)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_output):
-        return *ctx.kernels.gradients(*ctx.saved_tensors, ctx.eps, grad_output), None, None
-
-
 def fused_attention_residual(block_sum: torch.Tensor, bank: torch.Tensor, proj: nn.Module, norm: nn.Module,
                              kernels: AttentionResidualKernels = SHARED_KERNELS) -> torch.Tensor:
-    return FusedAttentionResidual.apply(block_sum, bank, norm.weight, proj.weight, norm.variance_epsilon, kernels)
+    return kernels.mix(block_sum, bank, norm.weight, proj.weight, norm.variance_epsilon)
 
 
 def plain_module(module: nn.Module, class_name: str) -> bool:

@@ -5,10 +5,14 @@ with their handle."""
 
 import pytest
 import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+from transformers.testing_utils import CaptureLogger
 
 from kimi_k3.attachments.handle import attribute_owners
 from kimi_k3.attachments.seams import find_attention_residual_sites
-from kimi_k3.kernels import fused_attention_residual
+from kimi_k3.kernels import compiled, fused_attention_residual
+from kimi_k3.kernels.compiled import CompiledFunction
 from kimi_k3.kernels.fused_attention_residual import (
     SHARED_KERNELS,
     AttentionResidualKernels,
@@ -183,3 +187,39 @@ def test_the_jobs_kernels_attach_as_asked_and_come_off_with_one_handle(situ, att
     assert attribute_owners(layer) == ({"attention_residual": "fused Block AttnRes"} if attention_residuals else {})
     attachment.remove()
     assert not any(attribute_owners(module) for module in model.modules())
+
+
+def failing_backward_compiler():
+    """A ``torch.compile`` backend whose forward compiles (the traced graph, run as it is) and whose backward does not."""
+
+    def backward(graph, example_inputs):
+        raise RuntimeError("this backend compiles no backward")
+
+    return aot_autograd(fw_compiler=lambda graph, example_inputs: make_boxed_func(graph.forward), bw_compiler=backward)
+
+
+def test_a_backward_that_cannot_be_compiled_falls_back_in_the_forward_call():
+    """The backward is compiled together with the forward, so a backward compiler's failure makes the forward call
+    fall back to the eager mix (one warning; the same mix and gradients) instead of failing inside ``backward()``, where
+    nothing could fall back; which is what happens to a kernel compiled without that."""
+
+    def mix_with_fresh_graph(*args):  # new code objects: nothing cached to reuse
+        return attention_residual(*args)
+
+    def undifferentiated_mix(*args):
+        return attention_residual(*args)
+
+    proj, norm = site_modules(24, torch.float32)
+    block_sum, bank = site_inputs((2, 9, 24), 2, torch.float32)
+    kernel = CompiledFunction(mix_with_fresh_graph, differentiable=True, backend=failing_backward_compiler())
+    with CaptureLogger(compiled.logger) as captured:
+        out, grads = value_and_grads(lambda b, k, p, n: kernel(b, k, n.weight, p.weight, n.variance_epsilon),
+                                     block_sum, bank, proj, norm)
+    expected_out, expected_grads = value_and_grads(block_attention_residual, block_sum, bank, proj, norm)
+    assert kernel.failed and captured.out.count("torch.compile of `mix_with_fresh_graph` failed") == 1
+    assert torch.equal(out, expected_out) and all(torch.equal(a, b) for a, b in zip(grads, expected_grads))
+
+    lazy = CompiledFunction(undifferentiated_mix, backend=failing_backward_compiler())
+    out = lazy(block_sum, bank, norm.weight, proj.weight, norm.variance_epsilon)
+    with pytest.raises(Exception, match="this backend compiles no backward"):
+        out.sum().backward()
