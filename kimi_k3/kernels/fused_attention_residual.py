@@ -82,14 +82,16 @@ def plain_module(module: nn.Module, class_name: str) -> bool:
 
 def fuses(block_sum: torch.Tensor, bank: torch.Tensor, proj: nn.Module, norm: nn.Module, min_elements: int) -> bool:
     tensors = (block_sum, bank, norm.weight, proj.weight)
+    plain_tensors = all(type(tensor) in (torch.Tensor, nn.Parameter) for tensor in tensors)
     return (torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
-            and block_sum.numel() >= min_elements and all(type(tensor) in (torch.Tensor, nn.Parameter) for tensor in tensors)
+            and block_sum.numel() >= min_elements and plain_tensors
             and plain_module(proj, PSEUDO_QUERY) and plain_module(norm, RMS_NORM))
 
 
 def fused_site_forward(min_elements: int, kernels: AttentionResidualKernels, block_sum: torch.Tensor,
                        bank: torch.Tensor, proj: nn.Module, norm: nn.Module) -> torch.Tensor:
-    """An ``attention_residual`` through `FusedAttentionResidual`, or the model's reference where it does not apply."""
+    """An ``attention_residual`` through the compiled mix of ``kernels``, or the model's reference where it does not
+    apply."""
     if not fuses(block_sum, bank, proj, norm, min_elements):
         return block_attention_residual(block_sum, bank, proj, norm)
     return fused_attention_residual(block_sum, bank, proj, norm, kernels)
@@ -97,8 +99,8 @@ def fused_site_forward(min_elements: int, kernels: AttentionResidualKernels, blo
 
 def use_fused_attention_residuals(model: nn.Module, min_elements: int = FUSED_MIN_ELEMENTS,
                                   kernels: AttentionResidualKernels = SHARED_KERNELS) -> Attachment:
-    """Route every Block AttnRes of ``model`` through `FusedAttentionResidual` with ``kernels`` in training forwards
-    whose partial sum has at least ``min_elements`` elements; ``remove()`` on the returned handle gives the modules back
+    """Route every Block AttnRes of ``model`` through the compiled mix of ``kernels`` in training forwards whose
+    partial sum has at least ``min_elements`` elements; ``remove()`` on the returned handle gives the modules back
     the model's reference. Works on the installed classes and on ``trust_remote_code`` copies alike; a model without
     AttnRes (``attn_res_block_size=None``) has no site and is left as it is.
     """

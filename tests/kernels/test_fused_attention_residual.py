@@ -153,7 +153,8 @@ def test_fused_attention_residuals_attach_to_every_site_and_their_handle_gives_b
     assert sorted(sites) == sorted(["model", *(f"model.layers.{i}" for i in range(tiny_config().num_hidden_layers))])
     attachment = use_fused_attention_residuals(model)
     assert all(attribute_owners(site) == {"attention_residual": "fused Block AttnRes"} for site in sites.values())
-    with pytest.raises(ValueError, match="fused Block AttnRes cannot set KimiK3Model.attention_residual: fused Block AttnRes holds it"):
+    refusal = "fused Block AttnRes cannot set KimiK3Model.attention_residual: fused Block AttnRes holds it"
+    with pytest.raises(ValueError, match=refusal):
         use_fused_attention_residuals(model)
     attachment.remove()
     assert all("attention_residual" not in vars(site) and not attribute_owners(site) for site in sites.values())
@@ -190,7 +191,7 @@ def test_the_jobs_kernels_attach_as_asked_and_come_off_with_one_handle(situ, att
 
 
 def failing_backward_compiler():
-    """A ``torch.compile`` backend whose forward compiles (the traced graph, run as it is) and whose backward does not."""
+    """A ``torch.compile`` backend whose forward compiles (the traced graph, run as it is) and backward does not."""
 
     def backward(graph, example_inputs):
         raise RuntimeError("this backend compiles no backward")
