@@ -121,8 +121,8 @@ class ModelArguments:
     )
     fused_attention_residuals: bool = field(
         default=True,
-        metadata={"help": "Compile each Block AttnRes mix and its backward into one kernel each (torch.compile, once "
-                          "per process); --no_fused_attention_residuals trains with the model's eager reference."},
+        metadata={"help": "Compile the Block AttnRes mixes with their backward (torch.compile, once per process); "
+                          "--no_fused_attention_residuals trains with the model's eager reference."},
     )
     qk_clip_tau: str = field(
         default=DEFAULT_QK_CLIP_TAU,
