@@ -4,7 +4,8 @@ Two settings at reduced widths (hidden 1024, latent 512, expert intermediate 384
 "K3" = 896 experts, top-16 (the release's sparsity) and "mid" = 64 experts, top-8. Candidates, timed interleaved:
 
 - our block with each experts implementation: grouped_mm (default), eager (the per-expert reference loop),
-  batched_mm (only where its per-token weight gather fits in memory);
+  batched_mm (only where its per-token weight gather fits in memory); and grouped_mm with the sorted experts'
+  gathers that `kimi-k3-train` attaches (`kimi_k3.kernels.sorted_experts`), as the job trains it;
 - transformers' `Qwen3MoeSparseMoeBlock` at the same expert shapes (hidden = our latent), each implementation;
 - the dense ceiling: the same block with routing replaced by one dense GLU of k·I units (identical matmul FLOPs);
 - experts only: `KimiK3Experts` against `Qwen3MoeExperts` on identical routing (identical FLOPs, time ratio).
@@ -31,6 +32,7 @@ from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeSparseMoeBlock  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
 from kimi_k3.kernels.fused_situ import use_fused_situ  # noqa: E402
+from kimi_k3.kernels.sorted_experts import use_sorted_experts  # noqa: E402
 from modeling_kimi_k3 import (  # noqa: E402
     KimiK3Experts,
     KimiK3GLUActivation,
@@ -131,8 +133,9 @@ def batched_mm_bytes(setting: Setting) -> int:
 
 
 def block_candidates(setting: Setting, inputs: torch.Tensor, latent_inputs: torch.Tensor, implementations,
-                     dense: bool) -> dict:
-    """name -> (module, forward callable, forward FLOPs, run backward?)."""
+                     dense: bool, as_trained: bool = False) -> dict:
+    """name -> (module, forward callable, forward FLOPs, run backward?); ``as_trained`` adds our block with the
+    sorted experts."""
     candidates = {}
     for implementation in implementations:
         if implementation == "batched_mm" and batched_mm_bytes(setting) > BATCHED_MM_MAX_BYTES:
@@ -148,6 +151,12 @@ def block_candidates(setting: Setting, inputs: torch.Tensor, latent_inputs: torc
         candidates[f"HF qwen3_moe [{implementation}]"] = (
             qwen, lambda m=qwen: m(latent_inputs), qwen_block_flops(setting), backward
         )
+    if as_trained:
+        config = kimi_config(setting)
+        config._experts_implementation = "grouped_mm"
+        trained = initialise(KimiK3SparseMoeBlock(config))
+        use_sorted_experts(trained)
+        candidates["ours [grouped_mm, sorted experts]"] = (trained, lambda: trained(inputs), block_flops(setting), True)
     if dense:
         block = initialise(DenseEquivalentBlock(kimi_config(setting)))
         candidates["dense equivalent"] = (block, lambda: block(inputs), block_flops(setting), True)
@@ -161,7 +170,7 @@ def time_blocks(setting: Setting, repeats: int) -> list[dict]:
     generator = torch.Generator().manual_seed(1)
     inputs = torch.randn(1, setting.tokens, HIDDEN, generator=generator).requires_grad_()
     latent_inputs = torch.randn(1, setting.tokens, LATENT, generator=generator).requires_grad_()
-    fast = block_candidates(setting, inputs, latent_inputs, FAST_IMPLEMENTATIONS, dense=True)
+    fast = block_candidates(setting, inputs, latent_inputs, FAST_IMPLEMENTATIONS, dense=True, as_trained=True)
     fast = _time_group(setting, fast, repeats, inputs, latent_inputs)
     _add_rate_ratios(fast)
     loops = block_candidates(setting, inputs, latent_inputs, ("eager", "grouped_mm"), dense=True)

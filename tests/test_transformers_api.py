@@ -122,6 +122,16 @@ BORROWED_API = [
                 lambda: parameters(PushToHubMixin._upload_modified_files)[:3] == ["self", "working_dir", "repo_id"]
                 and "self._upload_modified_files(" in inspect.getsource(PushToHubMixin.push_to_hub)),
     # The opt-in variants (variants_kimi_k3.py) and the folders that ship them.
+    BorrowedApi("transformers.integrations.moe._grouped_linear, and the experts' `_is_expert_parallel` and "
+                "`is_transposed` that use_experts_implementation sets",
+                "the sorted experts (kimi_k3.kernels.sorted_experts) run the grouped GEMMs of transformers' grouped_mm "
+                "experts backend, with its torch-version fallback, between their own gathers, and leave expert "
+                "parallelism's sentinel rows to the backend",
+                lambda: parameters(importlib.import_module("transformers.integrations.moe")._grouped_linear)
+                == ["input", "weight", "offs", "bias", "is_transposed"]
+                and all(f"self.{name} = " in inspect.getsource(importlib.import_module(
+                    "transformers.integrations.moe").use_experts_implementation)
+                    for name in ("_is_expert_parallel", "is_transposed"))),
     BorrowedApi("use_experts_implementation keeps the undecorated forward as `__wrapped__` (functools.wraps)",
                 "shared-basis experts run the released per-expert loop as their eager reference",
                 lambda: hasattr(modeling_kimi_k3.KimiK3Experts.forward, "__wrapped__")),

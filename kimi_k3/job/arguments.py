@@ -124,6 +124,12 @@ class ModelArguments:
         metadata={"help": "Compile the Block AttnRes mixes with their backward (torch.compile, once per process); "
                           "--no_fused_attention_residuals trains with the model's eager reference."},
     )
+    sorted_experts: bool = field(
+        default=True,
+        metadata={"help": "Gather the routed experts' tokens with index_select/index_add, whose backward needs no "
+                          "sort under deterministic algorithms; --no_sorted_experts trains with the model's experts "
+                          "implementation."},
+    )
     qk_clip_tau: str = field(
         default=DEFAULT_QK_CLIP_TAU,
         metadata={"help": "QK-Clip threshold on every MLA head's max attention logit after each optimizer step "
@@ -260,6 +266,7 @@ def parse_args(argv: list[str] | None) -> tuple[ModelArguments, DataArguments, C
         "--no_quantile_balancing": "Leave the router bias alone (loads are still logged).",
         "--no_fused_situ": "Train with the model's eager SiTU-GLU (no torch.compile).",
         "--no_fused_attention_residuals": "Train with the model's eager Block AttnRes (no torch.compile).",
+        "--no_sorted_experts": "Train with the model's own experts implementation (by default transformers' grouped_mm).",
     }
     for action in parser._actions:
         for option in set(action.option_strings) & complements.keys():

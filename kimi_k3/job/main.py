@@ -244,7 +244,8 @@ def build_model(model_args: ModelArguments, tokenizer, checkpoint: str | None,
     else:
         model = KimiK3ForCausalLM(config)
     check_tokenizer_fits(tokenizer, model.config)
-    use_fused_kernels(model, situ=model_args.fused_situ, attention_residuals=model_args.fused_attention_residuals)
+    use_fused_kernels(model, situ=model_args.fused_situ, attention_residuals=model_args.fused_attention_residuals,
+                      experts=model_args.sorted_experts)
     if qk_clip_tau is not None and not model.config.mla_layer_indices:
         raise UsageError(
             f"--qk_clip_tau {model_args.qk_clip_tau}: QK-Clip rescales MLA heads but the model has no MLA "

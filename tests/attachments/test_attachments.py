@@ -1,5 +1,5 @@
 """One attachment protocol: every feature that acts on the model from outside (Quantile Balancing, QK-Clip, QAT, fused
-SiTU-GLU and Block AttnRes) attaches through the model's seams and returns a handle; attached together they share one padding tracker
+SiTU-GLU and Block AttnRes, sorted experts) attaches through the model's seams and returns a handle; attached together they share one padding tracker
 and never set the same attribute, a refused attachment leaves nothing behind, and removing them leaves the model
 bitwise as it was."""
 
@@ -10,6 +10,7 @@ from kimi_k3.attachments.handle import attribute_owners
 from kimi_k3.attachments.seams import decoder_stack, find_mla_layers
 from kimi_k3.kernels.fused_attention_residual import use_fused_attention_residuals
 from kimi_k3.kernels.fused_situ import use_fused_situ
+from kimi_k3.kernels.sorted_experts import use_sorted_experts
 from kimi_k3.optim.muon import PerHeadMuon
 from kimi_k3.policies.qk_clip import QKClip
 from kimi_k3.policies.quantile_balancing import QuantileBalancing
@@ -37,6 +38,7 @@ def attach_everything(model, optimizer) -> list:
     return [
         use_fused_situ(model, min_elements=1),
         use_fused_attention_residuals(model, min_elements=1),
+        use_sorted_experts(model),
         attach_qat(model, "mxfp4", activations="mxfp8"),
         QuantileBalancing(model).attach(optimizer),
         QKClip(model, tau=100.0).attach(optimizer),
@@ -77,7 +79,8 @@ def test_attached_features_each_hold_their_own_attributes():
     layer = model.model.layers[1].block_sparse_moe
     assert attribute_owners(layer.experts.glu) == {"forward": "fused SiTU-GLU"}
     assert attribute_owners(model.model.layers[1]) == {"attention_residual": "fused Block AttnRes"}
-    assert attribute_owners(layer.experts) == {"gate_up_proj": "QAT mxfp4", "down_proj": "QAT mxfp4"}
+    assert attribute_owners(layer.experts) == {"forward": "sorted experts", "gate_up_proj": "QAT mxfp4",
+                                               "down_proj": "QAT mxfp4"}
     assert all(attribute_owners(attn) == {"query_key_observer": "QK-Clip"} for attn in find_mla_layers(model).values())
 
 

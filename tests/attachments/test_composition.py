@@ -1,6 +1,6 @@
 """Features composed by the training job: ``kimi-k3-train --qat mxfp4`` on the default model runs the fused
-concatenated SiTU-GLU kernel for every MoE layer and the fused Block AttnRes at every site in every training step,
-beside QAT's fake-quantized experts.
+concatenated SiTU-GLU kernel and the sorted experts for every MoE layer and the fused Block AttnRes at every site in
+every training step, beside QAT's fake-quantized experts.
 
 Each feature once undid another's: QAT's unbinding removed the fused experts' activation, so from the second forward
 on the routed experts ran the split kernel. Counted here per optimizer step, over several steps."""
@@ -10,7 +10,7 @@ import torch
 from configuration_kimi_k3 import KimiK3Config
 from kimi_k3.attachments.seams import find_routed_experts, find_situ_activations
 from kimi_k3.job.trainer import KimiK3Trainer
-from kimi_k3.kernels import fused_attention_residual, fused_situ
+from kimi_k3.kernels import fused_attention_residual, fused_situ, sorted_experts
 from kimi_k3.kernels.fused_attention_residual import SHARED_KERNELS as ATTENTION_RESIDUAL_KERNELS
 from kimi_k3.kernels.fused_situ import SHARED_KERNELS
 from kimi_k3.quantization import qat
@@ -41,6 +41,7 @@ def test_default_job_with_qat_runs_the_fused_concatenated_kernel_in_every_step(t
         "separate": Counter(monkeypatch, fused_situ, "fused_situ_and_mul"),
         "fake-quantized weights": Counter(monkeypatch, qat, "fake_quantize_mxfp4"),
         "attention residuals": Counter(monkeypatch, fused_attention_residual, "fused_attention_residual"),
+        "sorted experts": Counter(monkeypatch, sorted_experts, "sorted_experts"),
     }
     per_step, training_step = [], KimiK3Trainer.training_step
 
@@ -61,5 +62,5 @@ def test_default_job_with_qat_runs_the_fused_concatenated_kernel_in_every_step(t
     dense = len(find_situ_activations(model)) - routed  # layer 0's MLP and every MoE layer's shared experts
     # AttnRes: before every layer's attention but the first's, before every feed-forward, and the output mix.
     expected = {"concatenated": routed, "separate": dense, "fake-quantized weights": 2 * routed,
-                "attention residuals": 2 * model.config.num_hidden_layers}
+                "attention residuals": 2 * model.config.num_hidden_layers, "sorted experts": routed}
     assert per_step == [expected] * STEPS
