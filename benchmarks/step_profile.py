@@ -13,13 +13,15 @@ optimizer step and the policies' updates; no data loading.
 - **QK-Clip's cost**: the same step without QK-Clip, timed interleaved with it.
 - **Matmul floor**: every matrix product of one step (forward, backward, Newton–Schulz), recorded with its shapes by
   a dispatch mode, then replayed back to back on fresh tensors of the same shapes, strides and dtypes. That is the
-  time the step would take if everything but its matrix products were free.
+  time the step would take if everything but its matrix products were free; each phase is also set against the
+  products it runs itself.
 
     python benchmarks/step_profile.py                    # this CPU's kernels
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/step_profile.py
 """
 
 import collections
+import contextlib
 import math
 import sys
 import time
@@ -80,20 +82,28 @@ VIEW_NAMES = {
 }
 
 
+PHASES = ("forward", "backward", "optimizer step")
+
+
 @dataclass
 class JobStep:
     model: KimiK3ForCausalLM
     optimizer: torch.optim.Optimizer
     input_ids: torch.Tensor
 
-    def __call__(self) -> tuple[float, float, float]:
-        """Seconds of the forward (with the loss), the backward and the optimizer step."""
+    def __call__(self, modes: dict[str, TorchDispatchMode] | None = None) -> tuple[float, float, float]:
+        """Seconds of the forward (with the loss), the backward and the optimizer step; with ``modes``, each of the
+        three `PHASES` runs under its own dispatch mode."""
+        modes = modes or {}
         start = time.perf_counter()
-        loss = self.model(input_ids=self.input_ids, labels=self.input_ids).loss
+        with modes.get("forward", contextlib.nullcontext()):
+            loss = self.model(input_ids=self.input_ids, labels=self.input_ids).loss
         forward = time.perf_counter()
-        loss.backward()
+        with modes.get("backward", contextlib.nullcontext()):
+            loss.backward()
         backward = time.perf_counter()
-        self.optimizer.step()  # the Quantile Balancing and QK-Clip updates run from its step hooks
+        with modes.get("optimizer step", contextlib.nullcontext()):
+            self.optimizer.step()  # the Quantile Balancing and QK-Clip updates run from its step hooks
         self.optimizer.zero_grad(set_to_none=True)
         return forward - start, backward - forward, time.perf_counter() - backward
 
@@ -178,7 +188,7 @@ def breakdown_rows(profile: Profile, wall: float) -> list[dict]:
 def phase_times(step: JobStep, repeats: int) -> dict[str, float]:
     """Fastest forward, backward and optimizer step (with the policies' hooks) over ``repeats`` steps, in seconds."""
     phases = [step() for _ in range(repeats)]
-    return {name: min(times) for name, times in zip(("forward", "backward", "optimizer step"), zip(*phases))}
+    return {name: min(times) for name, times in zip(PHASES, zip(*phases))}
 
 
 class MatmulRecorder(TorchDispatchMode):
@@ -283,15 +293,21 @@ def _shapes_only(args) -> list:
     return [_Shape(entry[1]) if entry[0] == "tensor" else entry[-1] for entry in args]
 
 
-def record_matmuls(batch_size: int = JOB_BATCH[0], seq_len: int = JOB_BATCH[1]) -> MatmulFloor:
-    """The matrix products of one job step (its second: the first allocates the optimizer state), taken from a step
-    of its own with the eager references: the compiled kernels, shared by the process, stop running compiled after a
-    call under a dispatch mode, and neither SiTU-GLU nor AttnRes has a matrix product."""
+def record_phase_matmuls(batch_size: int = JOB_BATCH[0], seq_len: int = JOB_BATCH[1]) -> dict[str, MatmulFloor]:
+    """The matrix products of each phase of one job step (its second: the first allocates the optimizer state),
+    taken from a step of its own with the eager references: the compiled kernels, shared by the process, stop running
+    compiled after a call under a dispatch mode, and neither SiTU-GLU nor AttnRes has a matrix product."""
     step = job_training_step(batch_size, seq_len, fused_kernels=False)
     step()
-    with MatmulRecorder() as recorder:
-        step()
-    return MatmulFloor(recorder.calls)
+    recorders = {phase: MatmulRecorder() for phase in PHASES}
+    step(recorders)
+    return {phase: MatmulFloor(recorder.calls) for phase, recorder in recorders.items()}
+
+
+def record_matmuls(batch_size: int = JOB_BATCH[0], seq_len: int = JOB_BATCH[1]) -> MatmulFloor:
+    """The matrix products of one whole job step (`record_phase_matmuls` together)."""
+    phases = record_phase_matmuls(batch_size, seq_len).values()
+    return MatmulFloor(sum((floor.calls for floor in phases), collections.Counter()))
 
 
 def large_gemm_rate(dtype: torch.dtype = torch.float32, size: int = 1024) -> float:
@@ -304,7 +320,8 @@ def large_gemm_rate(dtype: torch.dtype = torch.float32, size: int = 1024) -> flo
 def run(profiled_steps: int = 3, repeats: int = 3, fill_uninitialized_memory: bool = False) -> dict:
     torch.use_deterministic_algorithms(True)  # as the job's full_determinism
     torch.utils.deterministic.fill_uninitialized_memory = fill_uninitialized_memory  # the job's Trainer turns it off
-    floor = record_matmuls()
+    phase_floors = record_phase_matmuls()
+    floor = MatmulFloor(sum((phase.calls for phase in phase_floors.values()), collections.Counter()))
     step = job_training_step()
     for _ in range(2):  # compiles the fused kernels, allocates the optimizer state
         step()
@@ -312,8 +329,8 @@ def run(profiled_steps: int = 3, repeats: int = 3, fill_uninitialized_memory: bo
     without_qk_clip = job_training_step(qk_clip=False)
     for _ in range(2):
         without_qk_clip()
-    times = time_interleaved({"step": step, "without QK-Clip": without_qk_clip, "floor": floor.replay()},
-                             repeats=repeats)
+    replays = {"floor": floor.replay(), **{f"{phase} floor": phase_floors[phase].replay() for phase in PHASES}}
+    times = time_interleaved({"step": step, "without QK-Clip": without_qk_clip, **replays}, repeats=repeats)
     phases = phase_times(step, repeats)
     profile = least_disturbed_profile(step, profiled_steps)
     wall, gemm = times["step"], large_gemm_rate()
@@ -331,6 +348,12 @@ def run(profiled_steps: int = 3, repeats: int = 3, fill_uninitialized_memory: bo
         "tables": [
             {"caption": "Step, phases (fastest of each), matmul floor, FLOP rate.", "columns": list(summary),
              "rows": [summary]},
+            {"caption": "Each phase against the matrix products it runs, replayed back to back.",
+             "columns": ["phase", "ms", "matmul floor ms", "phase / floor", "matmul GFLOP", "matmul calls"],
+             "rows": [{"phase": phase, "ms": 1e3 * phases[phase], "matmul floor ms": 1e3 * times[f"{phase} floor"],
+                       "phase / floor": phases[phase] / times[f"{phase} floor"],
+                       "matmul GFLOP": phase_floors[phase].flops / 1e9, "matmul calls": phase_floors[phase].count}
+                      for phase in PHASES]},
             {"caption": "Self CPU time by class (least-disturbed profiled step), scaled to the unprofiled step.",
              "columns": ["class", "share of step %", "ms / step"], "rows": breakdown_rows(profile, wall)},
             {"caption": "Top operators by self time, share of the profiled step.", "columns": ["operator", "%"],

@@ -17,3 +17,19 @@ def test_a_floor_replays_its_products_in_16_bits_and_those_without_a_16_bit_kern
     assert floor.count == 2 and floor.flops == 2 * 16 * 5 * 16 + 2 * 7 * 16 * 5
     for dtype in (None, torch.bfloat16):
         floor.replay(dtype)()
+
+
+def test_each_phase_of_the_job_step_records_its_own_products():
+    """Forward, backward and the optimizer step each record what they run: Newton–Schulz's batched products only in
+    the optimizer step, and the whole step's floor is the three together."""
+    from benchmarks.step_profile import PHASES, record_matmuls, record_phase_matmuls
+
+    phases = record_phase_matmuls(batch_size=1, seq_len=16)
+    assert tuple(phases) == PHASES and all(floor.count for floor in phases.values())
+    newton_schulz = {torch.ops.aten.bmm.out, torch.ops.aten.baddbmm.out}
+    operators = {phase: {func for func, _, _ in floor.calls} for phase, floor in phases.items()}
+    assert newton_schulz <= operators["optimizer step"]
+    assert not newton_schulz & (operators["forward"] | operators["backward"])
+    whole = record_matmuls(batch_size=1, seq_len=16)
+    assert whole.count == sum(floor.count for floor in phases.values())
+    assert whole.flops == sum(floor.flops for floor in phases.values())
