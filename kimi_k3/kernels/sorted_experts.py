@@ -48,7 +48,7 @@ def sorted_experts(experts: nn.Module, hidden_states: torch.Tensor, top_k_index:
 
 
 def applies(experts: nn.Module) -> bool:
-    """Training forwards of the ``grouped_mm`` backend on a single expert-parallel rank (no sentinel rows)."""
+    """Training forwards of the ``grouped_mm`` backend outside expert parallelism (whose sentinel rows it masks)."""
     return (torch.is_grad_enabled() and experts.config._experts_implementation == REPLACED_IMPLEMENTATION
             and not experts._is_expert_parallel)
 
