@@ -132,6 +132,12 @@ def batched_mm_bytes(setting: Setting) -> int:
     return 4 * setting.tokens * setting.top_k * 3 * LATENT * INTERMEDIATE
 
 
+def our_block(setting: Setting, implementation: str) -> KimiK3SparseMoeBlock:
+    config = kimi_config(setting)
+    config._experts_implementation = implementation
+    return initialise(KimiK3SparseMoeBlock(config))
+
+
 def block_candidates(setting: Setting, inputs: torch.Tensor, latent_inputs: torch.Tensor, implementations,
                      dense: bool, ours_as_trained: bool = False) -> dict:
     """name -> (module, forward callable, forward FLOPs, run backward?); ``ours_as_trained`` has our block only as the
@@ -141,10 +147,8 @@ def block_candidates(setting: Setting, inputs: torch.Tensor, latent_inputs: torc
         if implementation == "batched_mm" and batched_mm_bytes(setting) > BATCHED_MM_MAX_BYTES:
             continue
         backward = implementation != "eager" or setting.num_experts <= EAGER_BACKWARD_MAX_EXPERTS
-        config = kimi_config(setting)
-        config._experts_implementation = implementation
         if not ours_as_trained:
-            ours = initialise(KimiK3SparseMoeBlock(config))
+            ours = our_block(setting, implementation)
             candidates[f"ours [{implementation}]"] = (ours, lambda m=ours: m(inputs), block_flops(setting), backward)
         qwen_cfg = qwen_config(setting)
         qwen_cfg._experts_implementation = implementation
@@ -153,9 +157,7 @@ def block_candidates(setting: Setting, inputs: torch.Tensor, latent_inputs: torc
             qwen, lambda m=qwen: m(latent_inputs), qwen_block_flops(setting), backward
         )
     if ours_as_trained:
-        config = kimi_config(setting)
-        config._experts_implementation = "grouped_mm"
-        trained = initialise(KimiK3SparseMoeBlock(config))
+        trained = our_block(setting, "grouped_mm")
         use_sorted_experts(trained)
         candidates["ours [grouped_mm, sorted experts]"] = (trained, lambda: trained(inputs), block_flops(setting), True)
     if dense:

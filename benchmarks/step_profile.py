@@ -249,6 +249,11 @@ def _grouped_offsets(args: list, entries) -> list:
 class MatmulFloor:
     calls: collections.Counter
 
+    @classmethod
+    def together(cls, floors) -> "MatmulFloor":
+        """One floor for the products of all ``floors`` (the phases of a step)."""
+        return cls(sum((floor.calls for floor in floors), collections.Counter()))
+
     @property
     def flops(self) -> float:
         return sum(count * MATMULS[func](*_shapes_only(args)) for (func, args, _), count in self.calls.items())
@@ -306,8 +311,7 @@ def record_phase_matmuls(batch_size: int = JOB_BATCH[0], seq_len: int = JOB_BATC
 
 def record_matmuls(batch_size: int = JOB_BATCH[0], seq_len: int = JOB_BATCH[1]) -> MatmulFloor:
     """The matrix products of one whole job step (`record_phase_matmuls` together)."""
-    phases = record_phase_matmuls(batch_size, seq_len).values()
-    return MatmulFloor(sum((floor.calls for floor in phases), collections.Counter()))
+    return MatmulFloor.together(record_phase_matmuls(batch_size, seq_len).values())
 
 
 def large_gemm_rate(dtype: torch.dtype = torch.float32, size: int = 1024) -> float:
@@ -321,7 +325,7 @@ def run(profiled_steps: int = 3, repeats: int = 3, fill_uninitialized_memory: bo
     torch.use_deterministic_algorithms(True)  # as the job's full_determinism
     torch.utils.deterministic.fill_uninitialized_memory = fill_uninitialized_memory  # the job's Trainer turns it off
     phase_floors = record_phase_matmuls()
-    floor = MatmulFloor(sum((phase.calls for phase in phase_floors.values()), collections.Counter()))
+    floor = MatmulFloor.together(phase_floors.values())
     step = job_training_step()
     for _ in range(2):  # compiles the fused kernels, allocates the optimizer state
         step()

@@ -57,6 +57,19 @@ def tiny_config(**overrides) -> KimiK3Config:
     return KimiK3Config(**{**TINY_CONFIG, **overrides})
 
 
+class CallCounter:
+    """Replaces ``module.name`` (a module-level function) for the test with a wrapper that counts its calls: which
+    code path ran, where both paths give the same numbers."""
+
+    def __init__(self, monkeypatch, module, name: str):
+        self.function, self.calls = getattr(module, name), 0
+        monkeypatch.setattr(module, name, self)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.function(*args, **kwargs)
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

@@ -15,21 +15,11 @@ from kimi_k3.kernels.fused_attention_residual import SHARED_KERNELS as ATTENTION
 from kimi_k3.kernels.fused_situ import SHARED_KERNELS
 from kimi_k3.quantization import qat
 from modeling_kimi_k3 import KimiK3ForCausalLM
+from tests.conftest import CallCounter
 from tests.job.test_train import run_main
 
 STEPS = 3
 
-
-class Counter:
-    """Counts the calls of a module-level function, then calls it."""
-
-    def __init__(self, monkeypatch, module, name: str):
-        self.function, self.calls = getattr(module, name), 0
-        monkeypatch.setattr(module, name, self)
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        return self.function(*args, **kwargs)
 
 
 def test_default_job_with_qat_runs_the_fused_concatenated_kernel_in_every_step(tmp_path, monkeypatch):
@@ -37,11 +27,11 @@ def test_default_job_with_qat_runs_the_fused_concatenated_kernel_in_every_step(t
     for kernel in (*SHARED_KERNELS.all(), *ATTENTION_RESIDUAL_KERNELS.all(), qat.COMPILED_MXFP4):
         monkeypatch.setattr(kernel, "failed", True)
     counters = {
-        "concatenated": Counter(monkeypatch, fused_situ, "fused_situ_glu"),
-        "separate": Counter(monkeypatch, fused_situ, "fused_situ_and_mul"),
-        "fake-quantized weights": Counter(monkeypatch, qat, "fake_quantize_mxfp4"),
-        "attention residuals": Counter(monkeypatch, fused_attention_residual, "fused_attention_residual"),
-        "sorted experts": Counter(monkeypatch, sorted_experts, "sorted_experts"),
+        "concatenated": CallCounter(monkeypatch, fused_situ, "fused_situ_glu"),
+        "separate": CallCounter(monkeypatch, fused_situ, "fused_situ_and_mul"),
+        "fake-quantized weights": CallCounter(monkeypatch, qat, "fake_quantize_mxfp4"),
+        "attention residuals": CallCounter(monkeypatch, fused_attention_residual, "fused_attention_residual"),
+        "sorted experts": CallCounter(monkeypatch, sorted_experts, "sorted_experts"),
     }
     per_step, training_step = [], KimiK3Trainer.training_step
 

@@ -22,7 +22,7 @@ from kimi_k3.kernels.fused_attention_residual import (
 )
 from kimi_k3.kernels.training import use_fused_kernels
 from modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3PseudoQuery, KimiK3RMSNorm, block_attention_residual
-from tests.conftest import tiny_config
+from tests.conftest import CallCounter, tiny_config
 from tests.numerics import assert_as_accurate, float64_copy
 
 
@@ -116,22 +116,10 @@ def model_loss_and_grads(model, input_ids):
     return loss, {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
 
-class Spy:
-    """Counts the fused calls and delegates to them."""
-
-    def __init__(self, monkeypatch):
-        self.function, self.calls = fused_attention_residual.fused_attention_residual, 0
-        monkeypatch.setattr(fused_attention_residual, "fused_attention_residual", self)
-
-    def __call__(self, *args):
-        self.calls += 1
-        return self.function(*args)
-
-
 def test_a_model_trains_through_every_fused_site_and_matches_the_eager_model(monkeypatch):
     """Every decoder layer's two mixes (the first layer has no snapshot to mix before its attention) and the output
     mix take the kernels; the loss and every parameter's gradient are as accurate as the eager model's."""
-    spy = Spy(monkeypatch)
+    spy = CallCounter(monkeypatch, fused_attention_residual, "fused_attention_residual")
     input_ids = torch.randint(3, tiny_config().vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
     model = tiny_model()
     with use_fused_attention_residuals(model, min_elements=1):
@@ -164,7 +152,7 @@ def test_fused_attention_residuals_attach_to_every_site_and_their_handle_gives_b
 def test_the_reference_runs_for_inference_small_mixes_and_modules_that_are_not_plain(monkeypatch):
     """No grad, a mix below ``min_elements``, or a norm with a forward hook (which must run, as it does in the model's
     reference) keep the eager mix."""
-    spy = Spy(monkeypatch)
+    spy = CallCounter(monkeypatch, fused_attention_residual, "fused_attention_residual")
     model = tiny_model()
     input_ids = torch.randint(3, tiny_config().vocab_size, (1, 9))
     with use_fused_attention_residuals(model):  # 9 tokens: far below FUSED_MIN_ELEMENTS

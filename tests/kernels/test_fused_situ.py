@@ -24,7 +24,7 @@ from kimi_k3.kernels.fused_situ import (
     use_fused_situ,
 )
 from modeling_kimi_k3 import KimiK3SparseMoeBlock, situ_and_mul
-from tests.conftest import ROOT, tiny_config
+from tests.conftest import ROOT, CallCounter, tiny_config
 from tests.numerics import assert_as_accurate
 
 
@@ -84,18 +84,6 @@ def test_fused_situ_equals_the_reference_forward_and_backward(dtype, linear_beta
                for name in used)
 
 
-class Spy:
-    """Counts calls of a module-level function of kimi_k3.kernels.fused_situ and delegates to it."""
-
-    def __init__(self, monkeypatch, name: str):
-        self.function, self.calls = getattr(fused_situ, name), 0
-        monkeypatch.setattr(fused_situ, name, self)
-
-    def __call__(self, *args):
-        self.calls += 1
-        return self.function(*args)
-
-
 def tiny_moe_block() -> KimiK3SparseMoeBlock:
     """A training-mode MoE block of the tiny config with N(0, 0.3) weights (a bare module's are uninitialised)."""
     torch.manual_seed(0)
@@ -121,7 +109,7 @@ def moe_block_outputs(fused: bool, hidden: torch.Tensor, dtype: torch.dtype = to
 
 def test_moe_block_trains_through_the_fused_situ_and_matches_the_eager_block(monkeypatch):
     """Routed experts (concatenated gate/up) and shared experts (separate) both take the fused kernel."""
-    concatenated, separate = Spy(monkeypatch, "fused_situ_glu"), Spy(monkeypatch, "fused_situ_and_mul")
+    concatenated, separate = CallCounter(monkeypatch, fused_situ, "fused_situ_glu"), CallCounter(monkeypatch, fused_situ, "fused_situ_and_mul")
     hidden = torch.randn(2, 45, tiny_config().hidden_size)
     out, hidden_grad, grads = moe_block_outputs(True, hidden)
     assert concatenated.calls == 1 and separate.calls == 1
@@ -152,7 +140,7 @@ def test_fused_situ_attaches_to_every_activation_and_its_handle_gives_back_the_r
 
 
 def test_fused_situ_is_not_used_for_inference_small_activations_or_after_removal(monkeypatch):
-    spies = Spy(monkeypatch, "fused_situ_glu"), Spy(monkeypatch, "fused_situ_and_mul")
+    spies = CallCounter(monkeypatch, fused_situ, "fused_situ_glu"), CallCounter(monkeypatch, fused_situ, "fused_situ_and_mul")
     block = tiny_moe_block()
     with use_fused_situ(block):
         block(torch.randn(1, 9, tiny_config().hidden_size)).sum().backward()  # below FUSED_MIN_ELEMENTS

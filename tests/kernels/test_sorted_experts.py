@@ -1,6 +1,6 @@
 """The sorted routed experts, attached from outside at every fused experts module, are as accurate as transformers'
-``grouped_mm`` backend against the float64 per-expert reference (output and every gradient, with unused experts, odd
-token counts and repeated routing), repeat bit for bit under deterministic algorithms, stay out of inference, the
+``grouped_mm`` backend against the float64 per-expert reference (output and every gradient, fp32 and bf16, with an
+unused expert, odd token counts and k = 1), repeat bit for bit under deterministic algorithms, stay out of inference, the
 ``eager`` reference and expert parallelism, and come off with their handle."""
 
 import pytest
@@ -11,7 +11,7 @@ from kimi_k3.attachments.seams import find_routed_experts
 from kimi_k3.kernels import sorted_experts as sorted_experts_module
 from kimi_k3.kernels.sorted_experts import use_sorted_experts
 from modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3SparseMoeBlock
-from tests.conftest import tiny_config
+from tests.conftest import CallCounter, tiny_config
 from tests.numerics import assert_as_accurate
 
 
@@ -27,7 +27,7 @@ def experts_module(implementation: str = "grouped_mm", dtype: torch.dtype = torc
 
 
 def routing(tokens: int, num_experts: int, top_k: int, unused: int, seed: int = 1):
-    """Hidden-state rows, distinct experts per token (never ``unused``), and positive routing weights."""
+    """Distinct experts per token (never ``unused``) and positive float64 routing weights."""
     generator = torch.Generator().manual_seed(seed)
     scores = torch.rand(tokens, num_experts, generator=generator)
     scores[:, unused] = -1.0
@@ -46,7 +46,8 @@ def forward_and_grads(experts, hidden, index, weights):
 
 @pytest.mark.parametrize("tokens,top_k,dtype", [(37, 3, torch.float32), (64, 2, torch.float32), (5, 1, torch.float32),
                                                (41, 3, torch.bfloat16)])
-def test_sorted_experts_are_as_accurate_as_the_grouped_mm_backend(tokens, top_k, dtype):
+def test_sorted_experts_are_as_accurate_as_the_grouped_mm_backend(tokens, top_k, dtype, monkeypatch):
+    counter = CallCounter(monkeypatch, sorted_experts_module, "sorted_experts")
     plain = experts_module(dtype=dtype)
     attached = experts_module(dtype=dtype)
     use_sorted_experts(attached)
@@ -59,6 +60,7 @@ def test_sorted_experts_are_as_accurate_as_the_grouped_mm_backend(tokens, top_k,
     trusted_out, trusted_grads = forward_and_grads(plain, hidden.to(dtype), index, weights.float())
     exact_out, exact_grads = forward_and_grads(exact_experts, hidden, index, weights)
 
+    assert counter.calls == 1  # the attached module ran the sorted experts, the plain one the backend
     assert_as_accurate(out, trusted_out, exact_out, what="output")
     for name, grad, trusted, exact in zip(("hidden", "weights", "gate_up_proj", "down_proj"), grads, trusted_grads,
                                           exact_grads):
@@ -71,28 +73,17 @@ def test_sorted_experts_repeat_bit_for_bit_under_deterministic_algorithms():
     use_sorted_experts(experts)
     hidden = torch.randn(50, experts.hidden_dim, generator=torch.Generator().manual_seed(3))
     index, weights = routing(50, experts.num_experts, 3, unused=0)
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         first, second = (forward_and_grads(experts, hidden, index, weights.float()) for _ in range(2))
     finally:
-        torch.use_deterministic_algorithms(False)
+        torch.use_deterministic_algorithms(was_deterministic)
     assert torch.equal(first[0], second[0]) and all(map(torch.equal, first[1], second[1]))
 
 
-class Counter:
-    """Counts the calls of `sorted_experts`, then calls it."""
-
-    def __init__(self, monkeypatch):
-        self.function, self.calls = sorted_experts_module.sorted_experts, 0
-        monkeypatch.setattr(sorted_experts_module, "sorted_experts", self)
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        return self.function(*args, **kwargs)
-
-
 def test_sorted_experts_serve_training_forwards_of_grouped_mm_only(monkeypatch):
-    counter = Counter(monkeypatch)
+    counter = CallCounter(monkeypatch, sorted_experts_module, "sorted_experts")
     hidden = torch.randn(9, tiny_config().routed_expert_hidden_size, requires_grad=True)
     index, weights = routing(9, tiny_config().num_experts, 2, unused=0)
     weights = weights.float()
