@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 # benchmarks.common first: it sets HF_HUB_OFFLINE before transformers is loaded.
-from benchmarks.common import bench_arguments, report, time_interleaved  # noqa: E402
+from benchmarks.common import bench_arguments, compiled_for_these_kernels, report, time_interleaved  # noqa: E402
 import torch  # noqa: E402
 from kimi_k3.kernels.fused_attention_residual import fused_attention_residual  # noqa: E402
 from modeling_kimi_k3 import KimiK3PseudoQuery, KimiK3RMSNorm, block_attention_residual  # noqa: E402
@@ -41,7 +41,7 @@ def case(shape: tuple[int, int, int], repeats: int) -> list[dict]:
     candidates = {
         "eager block_attention_residual": block_attention_residual,
         "fused_attention_residual (training)": fused_attention_residual,
-        "torch.compile(block_attention_residual)": torch.compile(block_attention_residual, dynamic=True),
+        "torch.compile(block_attention_residual)": compiled_for_these_kernels(block_attention_residual),
     }
     timed = {}
     for name, mix in candidates.items():

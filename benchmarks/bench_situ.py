@@ -6,7 +6,9 @@ Candidates, timed interleaved, forward and forward+backward:
 - fused: `fused_situ_glu`, what training uses (`FusedSiTUGLU`: a compiled forward that keeps its input and a compiled
   backward, the `torch.func.vjp` of the reference, that evaluates the derivatives again);
 - autograd-compiled: `torch.compile(situ_glu)`, inductor deriving the backward itself through AOTAutograd; its
-  compilation failures surface inside `loss.backward()`, where nothing can fall back, so the model does not use it;
+  compilation failures surface inside `loss.backward()`, where nothing can fall back, so the model does not use it.
+  It runs under the same cache guard as the fused kernels (`compiled_for_these_kernels`): under
+  ``ATEN_CPU_CAPABILITY=avx2`` it would otherwise time AVX-512 kernels that an unrestricted run had cached;
 - SiLU·up: transformers' experts activation, the cost SiTU-GLU is compared with.
 
 Compilation happens in the warm-up round and is not timed.
@@ -20,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 # benchmarks.common first: it sets HF_HUB_OFFLINE before transformers is loaded.
-from benchmarks.common import bench_arguments, report, time_interleaved  # noqa: E402
+from benchmarks.common import bench_arguments, compiled_for_these_kernels, report, time_interleaved  # noqa: E402
 from benchmarks.bench_moe import INTERMEDIATE  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -42,7 +44,7 @@ def run(quick: bool = False, repeats: int | None = None) -> dict:
     candidates = {
         "eager situ_glu": situ_glu,
         "fused_situ_glu (model)": fused_situ_glu,
-        "torch.compile(situ_glu), autograd backward": torch.compile(situ_glu, dynamic=True),
+        "torch.compile(situ_glu), autograd backward": compiled_for_these_kernels(situ_glu),
         "SiLU(gate)·up (transformers)": silu_and_mul,
     }
     timed = {}

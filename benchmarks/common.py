@@ -23,6 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from kimi_k3.kernels.compiled import isa_safe_compile_caches  # noqa: E402
 from kimi_k3.optim.precision import cpu_has_native_bf16  # noqa: E402
 
 
@@ -51,6 +52,19 @@ def _timed(run: Callable[[], object]) -> float:
     start = time.perf_counter()
     run()
     return time.perf_counter() - start
+
+
+def compiled_for_these_kernels(function: Callable) -> Callable:
+    """``torch.compile(function, dynamic=True)``, every call under `isa_safe_compile_caches` as the project's own
+    compiled kernels run: inductor's cache key omits ``ATEN_CPU_CAPABILITY``, so a run restricted to AVX2 would
+    otherwise load, and time, the AVX-512 kernels an unrestricted run had cached."""
+    compiled = torch.compile(function, dynamic=True)
+
+    def call(*args, **kwargs):
+        with isa_safe_compile_caches():
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 def forward_backward(forward: Callable[[], torch.Tensor]) -> Callable[[], None]:
