@@ -11,6 +11,9 @@ Candidates, timed interleaved, forward and forward+backward:
   ``ATEN_CPU_CAPABILITY=avx2`` it would otherwise time AVX-512 kernels that an unrestricted run had cached;
 - SiLU·up: transformers' experts activation, the cost SiTU-GLU is compared with.
 
+Then eager against fused by activation size, from the default training step's activations up to the K3 experts' at
+512 tokens: where the compiled pair starts to pay on this CPU, and which one the model's attachment runs there.
+
 Compilation happens in the warm-up round and is not timed.
 
     python benchmarks/bench_situ.py [--quick]
@@ -26,7 +29,7 @@ from benchmarks.common import bench_arguments, compiled_for_these_kernels, repor
 from benchmarks.bench_moe import INTERMEDIATE  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from kimi_k3.kernels.fused_situ import fused_situ_glu, situ_glu  # noqa: E402
+from kimi_k3.kernels.fused_situ import fused_min_elements, fused_situ_glu, situ_glu  # noqa: E402
 
 BETA, LINEAR_BETA = 4.0, 25.0  # the release's activation_situ_beta / activation_situ_linear_beta
 
@@ -63,11 +66,46 @@ def run(quick: bool = False, repeats: int | None = None) -> dict:
         }
         for name in candidates
     ]
+    by_size = by_activation_size(SIZES_QUICK if quick else SIZES, repeats or 5)
     return {
         "title": f"SiTU-GLU on [{rows:,}, {2 * INTERMEDIATE}] (fp32, K3 experts' activation)",
-        "tables": [{"caption": "", "columns": list(table[0]), "rows": table}],
+        "tables": [
+            {"caption": "", "columns": list(table[0]), "rows": table},
+            {"caption": "By activation size: eager against fused, forward+backward, and which one the model's "
+                        "attachment runs on this CPU (`fused_min_elements`).",
+             "columns": list(by_size[0]), "rows": by_size},
+        ],
         "notes": ["fwd: on an input without grad, as in inference; fwd+bwd: with the input gradient, as in training."],
     }
+
+
+# [gate ‖ up] sizes: the default training step's shared experts, routed experts and dense MLP (batch 8 x 128), then up
+# to the K3 experts' activation at 512 tokens, across where the compiled pair starts to pay.
+SIZES = ((1024, 512), (4096, 256), (1024, 1536), (2048, 1024), (4096, 768), (4096, 1024), (8192, 768))
+SIZES_QUICK = ((4096, 256), (4096, 1024))
+
+
+def by_activation_size(sizes, repeats: int) -> list[dict]:
+    generator = torch.Generator().manual_seed(1)
+    rows = []
+    for height, width in sizes:
+        gate_up = (torch.randn(height, width, generator=generator) * 4).requires_grad_()
+        grad_output = torch.randn(height, width // 2, generator=generator)
+        seconds = time_interleaved(
+            {name: lambda a=activation: torch.autograd.grad(a(gate_up, BETA, LINEAR_BETA), gate_up, grad_output)
+             for name, activation in (("eager", situ_glu), ("fused", fused_situ_glu))},
+            repeats=repeats, warmup=1,
+        )
+        outputs = height * width // 2
+        rows.append({
+            "[gate ‖ up]": f"[{height:,}, {width}]",
+            "outputs": f"{outputs:,}",
+            "eager ms": 1e3 * seconds["eager"],
+            "fused ms": 1e3 * seconds["fused"],
+            "fused speedup": seconds["eager"] / seconds["fused"],
+            "the model runs": "fused" if outputs >= fused_min_elements("cpu") else "eager",
+        })
+    return rows
 
 
 def main() -> None:

@@ -116,8 +116,9 @@ class ModelArguments:
     )
     fused_situ: bool = field(
         default=True,
-        metadata={"help": "Compile SiTU-GLU and its backward into one kernel each (torch.compile, once per process); "
-                          "--no_fused_situ trains with the model's eager reference."},
+        metadata={"help": "Compile SiTU-GLU and its backward into one kernel each (torch.compile, once per process) "
+                          "for activations large enough to pay on this CPU; --no_fused_situ trains with the model's "
+                          "eager reference."},
     )
     fused_attention_residuals: bool = field(
         default=True,

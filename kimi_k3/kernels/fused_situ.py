@@ -12,7 +12,7 @@ that layout.
 """
 
 from dataclasses import dataclass, field, fields
-from functools import partial
+from functools import cache, partial
 
 import torch
 from torch import nn
@@ -24,12 +24,28 @@ from kimi_k3.kernels.compiled import CompiledFunction, isa_safe_compile_caches
 from modeling_kimi_k3 import situ_and_mul
 
 __all__ = [
-    "FUSED_MIN_ELEMENTS", "SHARED_KERNELS", "SiTUKernels", "use_fused_situ", "fused_situ_glu", "fused_situ_and_mul",
+    "SHARED_KERNELS", "SiTUKernels", "fused_min_elements", "use_fused_situ", "fused_situ_glu", "fused_situ_and_mul",
     "CompiledFunction", "isa_safe_compile_caches",
 ]
 
-# Activations smaller than this are not worth a kernel launch through the compiled wrapper (decoding, tiny models).
-FUSED_MIN_ELEMENTS = 2**18
+# The smallest activation (elements of its output) worth the compiled kernels, by where they run. On a CPU the pair
+# evaluates the transcendentals twice (forward, then again in the backward), which below these sizes costs more than
+# eager's dozen passes over tensors that stay in cache, and compiling it costs seconds per process; the crossover
+# follows the vector width (`benchmarks/bench_situ.py`, "by activation size"). Elsewhere a launch is what it saves.
+FUSED_MIN_ELEMENTS_AVX512 = 2**20
+FUSED_MIN_ELEMENTS_CPU = 2**21
+FUSED_MIN_ELEMENTS_ACCELERATOR = 2**17
+
+
+@cache
+def fused_min_elements(device_type: str) -> int:
+    """The activation size from which SiTU-GLU runs compiled on ``device_type``, chosen from the CPU's vector
+    kernels (``torch.backends.cpu.get_cpu_capability()``, which ``ATEN_CPU_CAPABILITY`` restricts)."""
+    if device_type != "cpu":
+        return FUSED_MIN_ELEMENTS_ACCELERATOR
+    if torch.backends.cpu.get_cpu_capability() == "AVX512":
+        return FUSED_MIN_ELEMENTS_AVX512
+    return FUSED_MIN_ELEMENTS_CPU
 
 
 def situ_glu(gate_up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
@@ -114,26 +130,31 @@ def fused_situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear
     return FusedSiTUGLU.apply(gate, up, beta, linear_beta, kernels)
 
 
-def fuses(activation: torch.Tensor, min_elements: int) -> bool:
-    """Only training forwards (the backward is where most of the time goes) of large activations."""
-    return activation.requires_grad and torch.is_grad_enabled() and activation.numel() >= min_elements
+def fuses(gate: torch.Tensor, up: torch.Tensor | None, min_elements: int | None) -> bool:
+    """Only training forwards (the backward is where most of the time goes) of activations with at least
+    ``min_elements`` outputs; ``None``: as many as pay on their device (`fused_min_elements`)."""
+    if min_elements is None:
+        min_elements = fused_min_elements(gate.device.type)
+    outputs = gate.numel() if up is not None else gate.numel() // 2
+    return gate.requires_grad and torch.is_grad_enabled() and outputs >= min_elements
 
 
-def fused_activation_forward(module: nn.Module, min_elements: int, kernels: SiTUKernels, gate: torch.Tensor,
+def fused_activation_forward(module: nn.Module, min_elements: int | None, kernels: SiTUKernels, gate: torch.Tensor,
                              up: torch.Tensor | None = None) -> torch.Tensor:
     """``KimiK3GLUActivation.forward`` through `FusedSiTUGLU`, or the module's own reference where it does not pay."""
-    if not fuses(gate, min_elements):
+    if not fuses(gate, up, min_elements):
         return type(module).forward(module, gate, up)
     if up is None:
         return fused_situ_glu(gate, module.beta, module.linear_beta, kernels)
     return fused_situ_and_mul(gate, up, module.beta, module.linear_beta, kernels)
 
 
-def use_fused_situ(model: nn.Module, min_elements: int = FUSED_MIN_ELEMENTS,
+def use_fused_situ(model: nn.Module, min_elements: int | None = None,
                    kernels: SiTUKernels = SHARED_KERNELS) -> Attachment:
     """Route every SiTU-GLU activation of ``model`` through `FusedSiTUGLU` with ``kernels`` in training forwards whose
-    activation has at least ``min_elements`` elements; ``remove()`` on the returned handle gives the modules back
-    their own reference. Works on the installed classes and on ``trust_remote_code`` copies alike.
+    activation has at least ``min_elements`` outputs (by default `fused_min_elements` of the activation's device);
+    ``remove()`` on the returned handle gives the modules back their own reference. Works on the installed classes and
+    on ``trust_remote_code`` copies alike.
     """
     attachment = Attachment("fused SiTU-GLU")
     with undone_on_failure(attachment):

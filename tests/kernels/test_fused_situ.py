@@ -18,12 +18,13 @@ from kimi_k3.kernels.compiled import CompiledFunction
 from kimi_k3.kernels.fused_situ import (
     SHARED_KERNELS,
     SiTUKernels,
+    fused_min_elements,
     fused_situ_and_mul,
     fused_situ_glu,
     situ_glu,
     use_fused_situ,
 )
-from modeling_kimi_k3 import KimiK3SparseMoeBlock, situ_and_mul
+from modeling_kimi_k3 import KimiK3GLUActivation, KimiK3SparseMoeBlock, situ_and_mul
 from tests.conftest import ROOT, CallCounter, tiny_config
 from tests.numerics import assert_as_accurate
 
@@ -143,7 +144,7 @@ def test_fused_situ_is_not_used_for_inference_small_activations_or_after_removal
     spies = CallCounter(monkeypatch, fused_situ, "fused_situ_glu"), CallCounter(monkeypatch, fused_situ, "fused_situ_and_mul")
     block = tiny_moe_block()
     with use_fused_situ(block):
-        block(torch.randn(1, 9, tiny_config().hidden_size)).sum().backward()  # below FUSED_MIN_ELEMENTS
+        block(torch.randn(1, 9, tiny_config().hidden_size)).sum().backward()  # below fused_min_elements
     attachment = use_fused_situ(block, min_elements=1)
     with torch.no_grad():
         block(torch.randn(1, 9, tiny_config().hidden_size))
@@ -151,6 +152,33 @@ def test_fused_situ_is_not_used_for_inference_small_activations_or_after_removal
     attachment.remove()  # back to the model's own reference
     block(torch.randn(1, 9, tiny_config().hidden_size)).sum().backward()
     assert [spy.calls for spy in spies] == [0, 0]
+
+
+def test_the_default_size_from_which_situ_runs_compiled_follows_the_cpus_vector_kernels(monkeypatch):
+    """Where the compiled pair starts to beat eager SiTU-GLU depends on the vector width: 2²⁰ outputs with AVX-512
+    kernels, 2²¹ with AVX2 or narrower; off the CPU, any activation worth a launch."""
+    try:
+        for capability, expected in (("AVX512", 2**20), ("AVX2", 2**21), ("DEFAULT", 2**21)):
+            monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+            fused_min_elements.cache_clear()
+            assert fused_min_elements("cpu") == expected
+        assert fused_min_elements("cuda") == 2**17
+    finally:
+        monkeypatch.undo()
+        fused_min_elements.cache_clear()
+
+
+def test_the_size_counts_outputs_in_both_layouts_and_one_row_less_runs_eagerly(monkeypatch):
+    """Separate gate and up of n elements each, or the experts' [gate ‖ up] of 2n, both give n outputs."""
+    spies = (CallCounter(monkeypatch, fused_situ, "fused_situ_and_mul"),
+             CallCounter(monkeypatch, fused_situ, "fused_situ_glu"))
+    activation = KimiK3GLUActivation(tiny_config())
+    rows = fused_min_elements("cpu") // 64
+    with use_fused_situ(activation):
+        for height in (rows - 1, rows):
+            activation(*(torch.zeros(height, 64, requires_grad=True) for _ in range(2)))
+            activation(torch.zeros(height, 128, requires_grad=True))
+    assert [spy.calls for spy in spies] == [1, 1]
 
 
 def missing_cxx_compiler():
