@@ -33,6 +33,11 @@ from kimi_k3.kernels.fused_situ import fused_min_elements, fused_situ_glu, situ_
 
 BETA, LINEAR_BETA = 4.0, 25.0  # the release's activation_situ_beta / activation_situ_linear_beta
 
+# [gate ‖ up] sizes: the default training step's shared experts, routed experts and dense MLP (batch 8 x 128), then up
+# to the K3 experts' activation at 512 tokens, across where the compiled pair starts to pay.
+SIZES = ((1024, 512), (4096, 256), (1024, 1536), (2048, 1024), (4096, 768), (4096, 1024), (8192, 768))
+SIZES_QUICK = ((4096, 256), (4096, 1024))
+
 
 def silu_and_mul(gate_up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
@@ -55,7 +60,8 @@ def run(quick: bool = False, repeats: int | None = None) -> dict:
         timed[f"{name}|fwd"] = lambda a=activation: a(gate_up.detach(), BETA, LINEAR_BETA)
         timed[f"{name}|train"] = lambda a=activation: torch.autograd.grad(a(gate_up, BETA, LINEAR_BETA), gate_up,
                                                                           grad_output)
-    seconds = time_interleaved(timed, repeats=repeats or 5, warmup=1)
+    repeats = repeats or 5
+    seconds = time_interleaved(timed, repeats=repeats, warmup=1)
     eager = seconds["eager situ_glu|train"]
     table = [
         {
@@ -66,7 +72,7 @@ def run(quick: bool = False, repeats: int | None = None) -> dict:
         }
         for name in candidates
     ]
-    by_size = by_activation_size(SIZES_QUICK if quick else SIZES, repeats or 5)
+    by_size = by_activation_size(SIZES_QUICK if quick else SIZES, repeats)
     return {
         "title": f"SiTU-GLU on [{rows:,}, {2 * INTERMEDIATE}] (fp32, K3 experts' activation)",
         "tables": [
@@ -79,13 +85,9 @@ def run(quick: bool = False, repeats: int | None = None) -> dict:
     }
 
 
-# [gate ‖ up] sizes: the default training step's shared experts, routed experts and dense MLP (batch 8 x 128), then up
-# to the K3 experts' activation at 512 tokens, across where the compiled pair starts to pay.
-SIZES = ((1024, 512), (4096, 256), (1024, 1536), (2048, 1024), (4096, 768), (4096, 1024), (8192, 768))
-SIZES_QUICK = ((4096, 256), (4096, 1024))
-
-
 def by_activation_size(sizes, repeats: int) -> list[dict]:
+    """Eager against fused SiTU-GLU, forward+backward, on [gate ‖ up] of each of ``sizes``: where the compiled pair
+    starts to pay on this CPU, beside which one the model's attachment runs there (`fused_min_elements`)."""
     generator = torch.Generator().manual_seed(1)
     rows = []
     for height, width in sizes:

@@ -17,8 +17,9 @@ def test_a_compiled_candidate_skips_inductors_cache_where_the_cpu_kernels_are_re
 
     monkeypatch.setattr(torch, "compile", lambda function, dynamic: function)  # the guard is under test, not inductor
     candidate = compiled_for_these_kernels(probe)
-    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
-    assert candidate(torch.ones(2)).tolist() == [2.0, 2.0]
-    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
-    candidate(torch.ones(2))
-    assert cache_settings == [False, inductor_config.fx_graph_cache]
+    with inductor_config.patch(fx_graph_cache=True):  # as it is by default, whatever the environment says
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+        assert candidate(torch.ones(2)).tolist() == [2.0, 2.0]
+        monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+        candidate(torch.ones(2))
+    assert cache_settings == [False, True]

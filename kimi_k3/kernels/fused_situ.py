@@ -33,7 +33,7 @@ __all__ = [
 # eager's dozen passes over tensors that stay in cache, and compiling it costs seconds per process; the crossover
 # follows the vector width (`benchmarks/bench_situ.py`, "by activation size"). Elsewhere a launch is what it saves.
 FUSED_MIN_ELEMENTS_AVX512 = 2**20
-FUSED_MIN_ELEMENTS_CPU = 2**21
+FUSED_MIN_ELEMENTS_AVX2_OR_NARROWER = 2**21
 FUSED_MIN_ELEMENTS_ACCELERATOR = 2**17
 
 
@@ -45,7 +45,7 @@ def fused_min_elements(device_type: str) -> int:
         return FUSED_MIN_ELEMENTS_ACCELERATOR
     if torch.backends.cpu.get_cpu_capability() == "AVX512":
         return FUSED_MIN_ELEMENTS_AVX512
-    return FUSED_MIN_ELEMENTS_CPU
+    return FUSED_MIN_ELEMENTS_AVX2_OR_NARROWER
 
 
 def situ_glu(gate_up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
@@ -132,7 +132,8 @@ def fused_situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear
 
 def fuses(gate: torch.Tensor, up: torch.Tensor | None, min_elements: int | None) -> bool:
     """Only training forwards (the backward is where most of the time goes) of activations with at least
-    ``min_elements`` outputs; ``None``: as many as pay on their device (`fused_min_elements`)."""
+    ``min_elements`` outputs; ``None``: as many as pay on their device (`fused_min_elements`). ``up=None``: ``gate`` is
+    the experts' ``[gate ‖ up]``, two inputs per output."""
     if min_elements is None:
         min_elements = fused_min_elements(gate.device.type)
     outputs = gate.numel() if up is not None else gate.numel() // 2

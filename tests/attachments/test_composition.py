@@ -1,4 +1,5 @@
-"""Features composed by the training job: ``kimi-k3-train --qat mxfp4`` on the default model runs the fused
+"""Features composed by the training job: ``kimi-k3-train --qat mxfp4`` on the default model, with SiTU-GLU fused at
+every size (the default model's activations are below the size from which it fuses on a CPU), runs the fused
 concatenated SiTU-GLU kernel and the sorted experts for every MoE layer and the fused Block AttnRes at every site in
 every training step, beside QAT's fake-quantized experts.
 
@@ -22,7 +23,7 @@ STEPS = 3
 
 
 
-def test_default_job_with_qat_runs_the_fused_concatenated_kernel_in_every_step(tmp_path, monkeypatch):
+def test_default_job_with_qat_and_situ_fused_at_every_size_runs_the_concatenated_kernel_in_every_step(tmp_path, monkeypatch):
     # The eager bodies of the kernels (same bits): which path runs is the point here, not compilation.
     for kernel in (*SHARED_KERNELS.all(), *ATTENTION_RESIDUAL_KERNELS.all(), qat.COMPILED_MXFP4):
         monkeypatch.setattr(kernel, "failed", True)

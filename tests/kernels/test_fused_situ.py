@@ -170,6 +170,8 @@ def test_the_default_size_from_which_situ_runs_compiled_follows_the_cpus_vector_
 
 def test_the_size_counts_outputs_in_both_layouts_and_one_row_less_runs_eagerly(monkeypatch):
     """Separate gate and up of n elements each, or the experts' [gate ‖ up] of 2n, both give n outputs."""
+    for kernel in SHARED_KERNELS.all():  # which path runs is the point here, not compilation
+        monkeypatch.setattr(kernel, "failed", True)
     spies = (CallCounter(monkeypatch, fused_situ, "fused_situ_and_mul"),
              CallCounter(monkeypatch, fused_situ, "fused_situ_glu"))
     activation = KimiK3GLUActivation(tiny_config())
@@ -179,6 +181,14 @@ def test_the_size_counts_outputs_in_both_layouts_and_one_row_less_runs_eagerly(m
             activation(*(torch.zeros(height, 64, requires_grad=True) for _ in range(2)))
             activation(torch.zeros(height, 128, requires_grad=True))
     assert [spy.calls for spy in spies] == [1, 1]
+
+
+def test_the_size_is_the_one_of_the_activations_own_device():
+    """An activation off the CPU (here on the meta device) fuses from its device's size, not from the CPU's."""
+    outputs = fused_min_elements("meta")
+    assert outputs < fused_min_elements("cpu")
+    on_meta, on_cpu = (torch.empty(outputs // 64, 64, device=device, requires_grad=True) for device in ("meta", "cpu"))
+    assert fused_situ.fuses(on_meta, on_meta, None) and not fused_situ.fuses(on_cpu, on_cpu, None)
 
 
 def missing_cxx_compiler():
