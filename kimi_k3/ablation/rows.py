@@ -145,8 +145,8 @@ class Preset:
 
 
 PRESETS = {
-    # The balancing, optimizer and activation rows at 2 seeds in about 5 minutes on 2 idle CPU cores (eager SiTU: the
-    # compile would cost more than these few steps gain from it).
+    # The balancing, optimizer and activation rows at 2 seeds in about 5 minutes on 2 idle CPU cores (eager SiTU, which
+    # the job also picks by itself on a CPU for activations this small).
     "quick": Preset(
         rows=(BASELINE, "sign-balancing", "aux-loss", "no-balancing", "whole-matrix-muon", "adamw", "swiglu"),
         seeds=(0, 1), max_steps=40, model=QUICK_MODEL, block_size=64, tokenizer_vocab_size=1024,
