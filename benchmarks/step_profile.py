@@ -1,9 +1,9 @@
 """Where the default training step spends its time, and the floor its own matrix products set.
 
 The step is the one `kimi-k3-train` runs with its defaults: the default `KimiK3Config()` (4,096-token vocabulary),
-batch 8 x 128, the kernels the job attaches (`use_fused_kernels`), Per-Head Muon (Newton–Schulz in the precision the CPU
-picks), QK-Clip and Quantile Balancing attached to the optimizer's step hooks, and torch's deterministic algorithms (the
-job's ``full_determinism``) without their filling of new tensors (as the job's Trainer). Forward, loss, backward,
+batch 8 x 128, the kernels the job attaches (`use_fused_kernels`), Per-Head Muon (Newton–Schulz in the precision the
+CPU picks), QK-Clip and Quantile Balancing attached to the optimizer's step hooks, and torch's deterministic algorithms
+(the job's ``full_determinism``) without their filling of new tensors (as the job's Trainer). Forward, loss, backward,
 optimizer step and the policies' updates; no data loading.
 
 - **Breakdown**: torch's profiler on a few steps; each operator's *self* CPU time goes to one class (matmuls,

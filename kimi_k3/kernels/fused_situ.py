@@ -12,7 +12,7 @@ that layout.
 """
 
 from dataclasses import dataclass, field, fields
-from functools import cache, partial
+from functools import partial
 
 import torch
 from torch import nn
@@ -37,7 +37,6 @@ FUSED_MIN_ELEMENTS_AVX2_OR_NARROWER = 2**21
 FUSED_MIN_ELEMENTS_ACCELERATOR = 2**17
 
 
-@cache
 def fused_min_elements(device_type: str) -> int:
     """The activation size from which SiTU-GLU runs compiled on ``device_type``, chosen from the CPU's vector
     kernels (``torch.backends.cpu.get_cpu_capability()``, which ``ATEN_CPU_CAPABILITY`` restricts)."""

@@ -23,7 +23,7 @@ STEPS = 3
 
 
 
-def test_default_job_with_qat_and_situ_fused_at_every_size_runs_the_concatenated_kernel_in_every_step(tmp_path, monkeypatch):
+def test_default_job_with_qat_and_situ_fused_at_every_size_runs_every_kernel_in_every_step(tmp_path, monkeypatch):
     # The eager bodies of the kernels (same bits): which path runs is the point here, not compilation.
     for kernel in (*SHARED_KERNELS.all(), *ATTENTION_RESIDUAL_KERNELS.all(), qat.COMPILED_MXFP4):
         monkeypatch.setattr(kernel, "failed", True)

@@ -110,7 +110,8 @@ def moe_block_outputs(fused: bool, hidden: torch.Tensor, dtype: torch.dtype = to
 
 def test_moe_block_trains_through_the_fused_situ_and_matches_the_eager_block(monkeypatch):
     """Routed experts (concatenated gate/up) and shared experts (separate) both take the fused kernel."""
-    concatenated, separate = CallCounter(monkeypatch, fused_situ, "fused_situ_glu"), CallCounter(monkeypatch, fused_situ, "fused_situ_and_mul")
+    concatenated = CallCounter(monkeypatch, fused_situ, "fused_situ_glu")
+    separate = CallCounter(monkeypatch, fused_situ, "fused_situ_and_mul")
     hidden = torch.randn(2, 45, tiny_config().hidden_size)
     out, hidden_grad, grads = moe_block_outputs(True, hidden)
     assert concatenated.calls == 1 and separate.calls == 1
@@ -141,7 +142,8 @@ def test_fused_situ_attaches_to_every_activation_and_its_handle_gives_back_the_r
 
 
 def test_fused_situ_is_not_used_for_inference_small_activations_or_after_removal(monkeypatch):
-    spies = CallCounter(monkeypatch, fused_situ, "fused_situ_glu"), CallCounter(monkeypatch, fused_situ, "fused_situ_and_mul")
+    spies = (CallCounter(monkeypatch, fused_situ, "fused_situ_glu"),
+             CallCounter(monkeypatch, fused_situ, "fused_situ_and_mul"))
     block = tiny_moe_block()
     with use_fused_situ(block):
         block(torch.randn(1, 9, tiny_config().hidden_size)).sum().backward()  # below fused_min_elements
@@ -157,15 +159,10 @@ def test_fused_situ_is_not_used_for_inference_small_activations_or_after_removal
 def test_the_default_size_from_which_situ_runs_compiled_follows_the_cpus_vector_kernels(monkeypatch):
     """Where the compiled pair starts to beat eager SiTU-GLU depends on the vector width: 2²⁰ outputs with AVX-512
     kernels, 2²¹ with AVX2 or narrower; off the CPU, any activation worth a launch."""
-    try:
-        for capability, expected in (("AVX512", 2**20), ("AVX2", 2**21), ("DEFAULT", 2**21)):
-            monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-            fused_min_elements.cache_clear()
-            assert fused_min_elements("cpu") == expected
-        assert fused_min_elements("cuda") == 2**17
-    finally:
-        monkeypatch.undo()
-        fused_min_elements.cache_clear()
+    for capability, expected in (("AVX512", 2**20), ("AVX2", 2**21), ("DEFAULT", 2**21)):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+        assert fused_min_elements("cpu") == expected
+    assert fused_min_elements("cuda") == 2**17
 
 
 def test_the_size_counts_outputs_in_both_layouts_and_one_row_less_runs_eagerly(monkeypatch):
