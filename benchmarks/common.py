@@ -23,6 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from kimi_k3.job.allocator import allocator_name, loaded_allocator  # noqa: E402
 from kimi_k3.kernels.compiled import isa_safe_compile_caches  # noqa: E402
 from kimi_k3.optim.precision import cpu_has_native_bf16  # noqa: E402
 
@@ -123,6 +124,8 @@ def machine_description() -> dict:
         "python": platform.python_version(),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        # The job runs under TCMalloc where the machine has it (`kimi_k3.job.allocator`); glibc's is slower.
+        "allocator": allocator_name(loaded_allocator()),
         **{name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "THP_MEM_ALLOC_ENABLE")},
     }
 
@@ -173,7 +176,7 @@ def machine_summary(machine: dict) -> str:
     bf16 = "native bf16" if machine["native_bf16_matmul"] else "bf16 emulated (slow)"
     return (
         f"Measured on {machine['cpu']} ({machine['cpu_capability']}, {bf16}), {machine['torch_threads']} threads, "
-        f"OpenMP waiting {machine['OMP_WAIT_POLICY'] or 'as libgomp defaults'}, "
+        f"OpenMP waiting {machine['OMP_WAIT_POLICY'] or 'as libgomp defaults'}, {machine['allocator']} allocator, "
         f"torch {machine['torch']}, transformers {machine['transformers']}, {machine['date']}, "
         f"load average {machine['load_average_1m']:.2f} at the start."
     )

@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout without installing
 
-from kimi_k3.job.main import main  # noqa: E402
+from kimi_k3.job.command import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -21,6 +21,7 @@ from kimi_k3.checkpoint import run_folder
 from kimi_k3.checkpoint.finite import first_non_finite
 from kimi_k3.checkpoint.release_format import check_exportable
 from kimi_k3.job import expert_load
+from kimi_k3.job.allocator import allocator_description
 from kimi_k3.job.arguments import (
     ModelArguments,
     UsageError,
@@ -116,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
             trainer = build_trainer(model, tokenizer, blocks, training_args, optimizer_cls_and_kwargs, callbacks,
                                     settings)
             announce_parallelism(trainer)
+            if trainer.is_world_process_zero():
+                print(f"kimi-k3-train: {allocator_description()}")
         except ValueError as error:
             print(f"kimi-k3-train: error: {error}", file=sys.stderr)
             return 2

@@ -28,6 +28,7 @@ from transformers import AutoTokenizer, TrainerState
 from kimi_k3.checkpoint import run_folder
 from kimi_k3.job import arguments, final_save
 from kimi_k3.job import main as train
+from kimi_k3.job.allocator import allocator_description
 from kimi_k3.job.trainer import KimiK3Trainer, SaveError
 from kimi_k3.text import corpus as data
 from kimi_k3.job.expert_load import PLOT_EXTRA, ExpertLoadRecorder, matplotlib_available, token_share
@@ -230,6 +231,7 @@ def test_training_lowers_loss_and_reports_eval_perplexity(trained):
     assert all(entry["eval_perplexity"] == pytest.approx(math.exp(entry["eval_loss"])) for entry in evals)
     assert f"first training loss {losses[0]:.4f} -> last {losses[-1]:.4f}" in printed
     assert f"eval perplexity {math.exp(evals[-1]['eval_loss']):.2f}" in printed
+    assert f"kimi-k3-train: {allocator_description()}" in printed
     assert any("balance/max_vio" in entry for entry in history)
     assert sorted(path.name for path in run.iterdir()) == RUN_FOLDER
 

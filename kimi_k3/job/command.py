@@ -1,0 +1,12 @@
+"""The ``kimi-k3-train`` command (and ``scripts/train.py``): the job of `kimi_k3.job.main`, in a process that
+`restart_under_tcmalloc` may first have replaced with one running under TCMalloc."""
+
+from kimi_k3.job.allocator import restart_under_tcmalloc
+
+
+def main() -> int:
+    restart_under_tcmalloc()
+    # Imported after the restart: the job's imports take seconds that a restart would spend twice.
+    from kimi_k3.job.main import main as run_job
+
+    return run_job()
