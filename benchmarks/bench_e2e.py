@@ -32,7 +32,6 @@ import torch  # noqa: E402
 from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
 from transformers.utils import logging  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
-from kimi_k3.job.allocator import restart_under_tcmalloc  # noqa: E402
 from kimi_k3.kernels.compiled import isa_safe_compile_caches  # noqa: E402
 from kimi_k3.kernels.training import use_fused_kernels  # noqa: E402
 from kimi_k3.optim.precision import cpu_has_native_bf16  # noqa: E402
@@ -226,7 +225,6 @@ def run(quick: bool = False, repeats: int | None = None, compile_model: bool = F
 
 
 def main() -> None:
-    restart_under_tcmalloc(Path(__file__).name)  # as the job runs; KIMI_K3_ALLOCATOR=system for glibc's
     args = bench_arguments(__doc__, extra=lambda parser: parser.add_argument(
         "--compile", action="store_true", help=f"also time torch.compile(model) steps (up to {COMPILE_TIMEOUT_S} s)"
     ))

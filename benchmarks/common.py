@@ -13,6 +13,7 @@ import json
 import multiprocessing
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from kimi_k3.job.allocator import allocator_name, loaded_allocator  # noqa: E402
+from kimi_k3.job.allocator import allocator_name, loaded_allocator, restart_under_tcmalloc  # noqa: E402
 from kimi_k3.kernels.compiled import isa_safe_compile_caches  # noqa: E402
 from kimi_k3.optim.precision import cpu_has_native_bf16  # noqa: E402
 
@@ -149,7 +150,10 @@ def _format_cell(value) -> str:
 
 
 def bench_arguments(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None):
-    """The command line every benchmark script accepts (``extra`` adds script-specific arguments)."""
+    """The command line every benchmark script accepts (``extra`` adds script-specific arguments). Called first
+    thing: a process that is to run under TCMalloc, as `kimi-k3-train` does (`restart_under_tcmalloc`), restarts here,
+    before anything is measured; ``KIMI_K3_ALLOCATOR=system`` measures under the system allocator."""
+    restart_under_tcmalloc(Path(sys.argv[0]).name)
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller shapes and fewer repetitions (CI smoke run)")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved repetitions per case")

@@ -35,7 +35,6 @@ from benchmarks.common import bench_arguments, report, time_interleaved  # noqa:
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
-from kimi_k3.job.allocator import restart_under_tcmalloc  # noqa: E402
 from kimi_k3.kernels.training import use_fused_kernels  # noqa: E402
 from kimi_k3.optim.muon import PerHeadMuon  # noqa: E402
 from kimi_k3.policies.qk_clip import QKClip  # noqa: E402
@@ -373,7 +372,6 @@ def run(profiled_steps: int = 3, repeats: int = 3, fill_uninitialized_memory: bo
 
 
 def main() -> None:
-    restart_under_tcmalloc(Path(__file__).name)  # as the job runs; KIMI_K3_ALLOCATOR=system for glibc's
     args = bench_arguments(__doc__, extra=lambda parser: parser.add_argument(
         "--fill-uninitialized-memory", action="store_true",
         help="let torch fill every new tensor first, as kimi-k3-train did before it turned that off"))
