@@ -66,14 +66,16 @@ def find_tcmalloc() -> str | None:
 
 
 def restart_under_tcmalloc(program: str = "kimi-k3-train") -> None:
-    """Replace this process with the same command preloading TCMalloc, where that applies (see the module docstring);
-    otherwise return. A choice other than `ALLOCATOR_CHOICES` exits with status 2 and a one-line message."""
+    """Replace this process with the same command preloading TCMalloc, where that applies (see the module docstring;
+    not for ``--help``); otherwise return. A choice other than `ALLOCATOR_CHOICES` exits with status 2 and a one-line
+    message. The restart repeats what the process imported before calling this."""
     try:
         choice = allocator_choice()
     except AllocatorChoiceError as error:
         print(f"{program}: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
-    if choice == "system" or not sys.platform.startswith("linux") or loaded_allocator() is not None:
+    asks_for_help = not {"-h", "--help"}.isdisjoint(sys.argv[1:])
+    if choice == "system" or asks_for_help or not sys.platform.startswith("linux") or loaded_allocator() is not None:
         return
     if os.environ.get(RESTARTED_VARIABLE):
         print(f"{program}: warning: the dynamic loader did not preload {os.environ.get('LD_PRELOAD')!r}; training with "

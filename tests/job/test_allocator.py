@@ -31,11 +31,11 @@ print("after", os.getpid(), loaded_allocator(), sys.argv[1:])
 """
 
 
-def run_probe(**environ: str) -> subprocess.CompletedProcess:
+def run_probe(*arguments: str, **environ: str) -> subprocess.CompletedProcess:
     env = {key: value for key, value in os.environ.items()
            if key not in ("LD_PRELOAD", ALLOCATOR_VARIABLE, RESTARTED_VARIABLE)}
-    return subprocess.run([sys.executable, "-c", PROBE, "--seed", "3"], env={**env, **environ}, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run([sys.executable, "-c", PROBE, *(arguments or ("--seed", "3"))], env={**env, **environ},
+                          capture_output=True, text=True, timeout=120)
 
 
 def test_the_choice_defaults_to_tcmalloc_and_names_the_variable_when_wrong():
@@ -71,10 +71,10 @@ def test_the_process_restarts_once_under_tcmalloc_with_its_arguments():
     assert after[3] == "['--seed', '3']" and "warning" not in result.stderr
 
 
-def test_the_system_choice_keeps_the_process_as_it_is():
-    result = run_probe(**{ALLOCATOR_VARIABLE: "system"})
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.count("before") == 1 and "after" in result.stdout
+def test_the_system_choice_and_a_help_request_keep_the_process_as_it_is():
+    for result in run_probe(**{ALLOCATOR_VARIABLE: "system"}), run_probe("--help"):
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.count("before") == 1 and "after" in result.stdout
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or ctypes.util.find_library("jemalloc") is None,
