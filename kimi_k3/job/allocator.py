@@ -4,10 +4,11 @@ A training step allocates and frees thousands of tensors of up to megabytes. gli
 blocks to the kernel, so the next step faults their pages in again; TCMalloc keeps them, and the default CPU step runs
 1.15-1.25x faster under it with bit-identical results (docs/training-job.md, "A faster memory allocator"). An allocator
 has to be in place before the process starts, so the command-line entry points (`kimi-k3-train`, `scripts/train.py`)
-call `restart_under_tcmalloc` first: on Linux, when no TCMalloc is loaded and the dynamic loader can find one, the
-process replaces itself (same PID, same arguments) with one that preloads it, as PyTorch's own CPU launcher
-(``python -m torch.backends.xeon.run_cpu --enable-tcmalloc``) does for the script it starts. ``KIMI_K3_ALLOCATOR=system``
-keeps the system allocator. `kimi_k3.job.main.main` itself never restarts anything.
+call `restart_under_tcmalloc` first: on Linux, when no replacement allocator is loaded (TCMalloc, jemalloc, mimalloc: a
+user who preloaded one keeps it) and the dynamic loader can find TCMalloc, the process replaces itself (same PID, same
+arguments) with one that preloads it, as PyTorch's own CPU launcher (``python -m torch.backends.xeon.run_cpu
+--enable-tcmalloc``) does for the script it starts. ``KIMI_K3_ALLOCATOR=system`` keeps the system allocator.
+`kimi_k3.job.main.main` itself never restarts anything.
 """
 
 import ctypes.util

@@ -41,7 +41,8 @@ def run_probe(*arguments: str, **environ: str) -> subprocess.CompletedProcess:
 def test_the_choice_defaults_to_tcmalloc_and_names_the_variable_when_wrong():
     assert allocator_choice({}) == "tcmalloc"
     assert allocator_choice({ALLOCATOR_VARIABLE: " System "}) == "system"
-    with pytest.raises(AllocatorChoiceError, match=f"{ALLOCATOR_VARIABLE} must be one of tcmalloc, system, got 'jemalloc'"):
+    expected = f"{ALLOCATOR_VARIABLE} must be one of tcmalloc, system, got 'jemalloc'"
+    with pytest.raises(AllocatorChoiceError, match=expected):
         allocator_choice({ALLOCATOR_VARIABLE: "jemalloc"})
 
 
@@ -106,4 +107,5 @@ def test_without_tcmalloc_the_job_says_how_to_get_it(monkeypatch):
     monkeypatch.setattr(allocator.sys, "platform", "linux")
     assert "apt-get install libtcmalloc-minimal4" in allocator.allocator_description()
     monkeypatch.setattr(allocator, "loaded_allocator", lambda: "/usr/lib/libtcmalloc_minimal.so.4")
-    assert allocator.allocator_description().startswith("memory allocator: TCMalloc (/usr/lib/libtcmalloc_minimal.so.4)")
+    description = allocator.allocator_description()
+    assert description.startswith("memory allocator: TCMalloc (/usr/lib/libtcmalloc_minimal.so.4)")
