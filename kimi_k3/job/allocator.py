@@ -79,7 +79,7 @@ def restart_under_tcmalloc(program: str = "kimi-k3-train") -> None:
     if choice == "system" or asks_for_help or not sys.platform.startswith("linux") or loaded_allocator() is not None:
         return
     if os.environ.get(RESTARTED_VARIABLE):
-        print(f"{program}: warning: the dynamic loader did not preload {os.environ.get('LD_PRELOAD')!r}; training with "
+        print(f"{program}: warning: the dynamic loader did not preload {os.environ.get('LD_PRELOAD')!r}; running on "
               f"the system allocator", file=sys.stderr)
         return
     library = find_tcmalloc()
