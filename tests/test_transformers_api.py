@@ -159,6 +159,9 @@ BORROWED_API = [
                 lambda: parameters(Trainer._get_output_dir) == ["self", "trial"]),
     BorrowedApi("Trainer._load_from_checkpoint", "resumes models sharded at load time",
                 lambda: parameters(Trainer._load_from_checkpoint)[:3] == ["self", "resume_from_checkpoint", "model"]),
+    BorrowedApi("Trainer._get_grad_norm", "its gradient norm, computed before every optimizer step, is checked for "
+                "divergence instead of a second norm over the gradients",
+                lambda: parameters(Trainer._get_grad_norm) == ["self", "model", "grad_norm"]),
     BorrowedApi("Trainer._load_best_model", "the best checkpoint of a sharded model",
                 lambda: parameters(Trainer._load_best_model) == ["self"]),
     BorrowedApi("Trainer._load_optimizer_and_scheduler", "a resumed optimizer.pt that cannot be loaded is refused in "

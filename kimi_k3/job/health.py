@@ -3,15 +3,15 @@ non-finite reaches a checkpoint, ``model/`` or the hub.
 
 Trainer's ``logging_nan_inf_filter`` replaces a non-finite loss with the running mean in the logs and trains on, so
 a diverged run would otherwise look healthy. The gradients are checked before every optimizer step (a non-finite
-loss makes them non-finite too, and clipping a non-finite norm spreads it to every gradient); the weights once more
-before anything is saved, as the last guard.
+loss makes them non-finite too, and clipping a non-finite norm spreads it to every gradient) through the norm Trainer
+computes over them anyway (`kimi_k3.job.trainer.KimiK3Trainer`); the weights once more before anything is saved, as
+the last guard.
 """
 
 import math
 from collections.abc import Iterable
 
 import torch
-from transformers import TrainerCallback
 
 from kimi_k3.checkpoint.finite import first_non_finite
 
@@ -20,21 +20,13 @@ class TrainingDiverged(RuntimeError):
     """The loss, a gradient or a weight became non-finite; nothing was saved from that state."""
 
 
-class TrainingHealthCallback(TrainerCallback):
-    """Stops the job before an optimizer step would apply non-finite gradients."""
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        gradients = [p.grad for p in model.parameters() if p.grad is not None]
-        if gradients and not math.isfinite(total_norm(gradients)):
-            raise TrainingDiverged(divergence_message(f"the gradients are not finite at step {state.global_step + 1}"))
-
-
-def total_norm(tensors: list[torch.Tensor]) -> float:
-    """The 2-norm over ``tensors``; a norm over sharded ``DTensor`` gradients is reduced across their mesh."""
-    norm = torch.nn.utils.get_total_norm(tensors, norm_type=2.0)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return float(norm)
+def check_finite_gradients(grad_norm, step: int) -> None:
+    """Stop the job before optimizer step ``step`` would apply non-finite gradients: ``grad_norm`` is the norm Trainer
+    computed over them (for clipping, or for its logs), a tensor, a sharded ``DTensor`` or a float."""
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    if grad_norm is not None and not math.isfinite(float(grad_norm)):
+        raise TrainingDiverged(divergence_message(f"the gradients are not finite at step {step}"))
 
 
 def check_finite_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], what: str) -> None:

@@ -41,7 +41,7 @@ from kimi_k3.job.arguments import (
     resolve_checkpoint,
 )
 from kimi_k3.job.expert_load import ExpertLoadRecorder
-from kimi_k3.job.health import TrainingDiverged, TrainingHealthCallback, check_finite_metric, check_finite_weights
+from kimi_k3.job.health import TrainingDiverged, check_finite_metric, check_finite_weights
 from kimi_k3.job.launch import announce_parallelism
 from kimi_k3.job.final_save import (
     FINAL_MODEL_DIR,
@@ -312,7 +312,7 @@ def optimizer_and_callbacks(model_args: ModelArguments, training_args: TrainingA
         optimizer_cls_and_kwargs = PerHeadMuonFactory.from_training_args(
             training_args, ns_dtype=model_args.muon_ns_dtype, per_head=model_args.optimizer == "per_head_muon"
         )
-    callbacks = [TrainingHealthCallback()]
+    callbacks = []
     if qk_clip_tau is not None:
         callbacks.append(QKClipCallback(qk_clip_tau))
     if find_routers(model):

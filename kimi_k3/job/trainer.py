@@ -18,7 +18,7 @@ from checkpoint_format_kimi_k3 import verify_checkpoint_files
 from kimi_k3.checkpoint import run_folder
 from kimi_k3.checkpoint.release_format import checkpoint_shard_files
 from kimi_k3.checkpoint.finite import check_finite_files, first_non_finite
-from kimi_k3.job.health import TrainingDiverged, non_finite_weight_message
+from kimi_k3.job.health import TrainingDiverged, check_finite_gradients, non_finite_weight_message
 from kimi_k3.job.run_settings import RUN_SETTINGS_FILE, encoded
 from kimi_k3.job.resume_manifest import CheckpointFileError, first_line, rng_state_names
 from kimi_k3.parallel.sharding import load_full_state_dict
@@ -85,6 +85,13 @@ class KimiK3Trainer(Trainer):
             self._staging_run_dir = None
             if self.args.should_save:
                 shutil.rmtree(staging, ignore_errors=True)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        """Trainer's gradient norm, the clipping's or its own, checked before the optimizer step: a non-finite one ends
+        the run (`check_finite_gradients`) without a second pass over the gradients to find out."""
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        check_finite_gradients(grad_norm, self.state.global_step + 1)
+        return grad_norm
 
     def _check_finite_weights(self, checkpoint_name: str) -> None:
         """Every process stops together: under FSDP each checks its own shard, and one process's NaN stops all."""
