@@ -20,6 +20,9 @@ from kimi_k3.job.allocator import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
+# Where the machine has no TCMalloc nothing restarts anyway, and a test that nothing restarts could not fail there.
+needs_tcmalloc = pytest.mark.skipif(not sys.platform.startswith("linux") or find_tcmalloc() is None,
+                                    reason="needs Linux and TCMalloc")
 # Prints its PID and the mapped TCMalloc before and after the restart, and the arguments it ends up with.
 PROBE = f"""
 import os, sys
@@ -61,7 +64,7 @@ def test_a_mapped_tcmalloc_is_found_in_the_memory_map(tmp_path):
     assert loaded_allocator(tmp_path / "missing") is None
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or find_tcmalloc() is None, reason="needs Linux and TCMalloc")
+@needs_tcmalloc
 def test_the_process_restarts_once_under_tcmalloc_with_its_arguments():
     result = run_probe()
     assert result.returncode == 0, result.stderr
@@ -72,14 +75,15 @@ def test_the_process_restarts_once_under_tcmalloc_with_its_arguments():
     assert after[3] == "['--seed', '3']" and "warning" not in result.stderr
 
 
+@needs_tcmalloc
 def test_the_system_choice_and_a_help_request_keep_the_process_as_it_is():
     for result in run_probe(**{ALLOCATOR_VARIABLE: "system"}), run_probe("--help"):
         assert result.returncode == 0, result.stderr
         assert result.stdout.count("before") == 1 and "after" in result.stdout
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or ctypes.util.find_library("jemalloc") is None,
-                    reason="needs Linux and jemalloc")
+@needs_tcmalloc
+@pytest.mark.skipif(ctypes.util.find_library("jemalloc") is None, reason="needs jemalloc")
 def test_an_allocator_the_user_preloaded_is_kept():
     result = run_probe(LD_PRELOAD=ctypes.util.find_library("jemalloc"))
     assert result.returncode == 0, result.stderr
