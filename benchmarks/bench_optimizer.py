@@ -10,7 +10,9 @@
     - PerHeadMuon with its Newton–Schulz in fp32 and in bf16 (``ns_dtype``), and Newton–Schulz alone on its blocks,
       in its batch-invariant chunks and in one call per block shape (what it did before; not batch-invariant);
     - the floor any exact NS5 has here in each dtype: its FLOPs at the matmul rate of the same block shapes in that
-      dtype, measured in the run.
+      dtype, measured in the run;
+    - the step's elementwise passes over one parameter (momentum, the Nesterov update in bf16, decay with the update;
+      ``kimi_k3/optim/elementwise.py``), eager against compiled, by parameter size: where the compiled loops pay.
 (b) ``transformers.Trainer`` with PerHeadMuon and with the Trainer's AdamW for the same steps on byte-level text of
     Python's own documentation (``pydoc_data.topics``), same init and data order, printing the final eval losses.
     The learning rates were tuned once with ``--sweep`` at the defaults (final eval loss; best in brackets):
@@ -44,6 +46,7 @@ from kimi_k3.optim.muon import (  # noqa: E402
     row_pattern,
     split_row_blocks,
 )
+from kimi_k3.optim.elementwise import COMPILED, advance_momentum_, decay_and_add_, nesterov_update  # noqa: E402
 from kimi_k3.optim.newton_schulz import newton_schulz5_call  # noqa: E402
 from kimi_k3.optim.precision import cpu_has_native_bf16  # noqa: E402
 from modeling_kimi_k3 import KimiK3ForCausalLM  # noqa: E402
@@ -127,6 +130,30 @@ def block_matmul_probe(stacks: list[torch.Tensor], dtype: torch.dtype) -> tuple[
     return (lambda: [b @ b.mT for b in batches]), flops
 
 
+def elementwise_passes(size: int, compiled: bool) -> Callable:
+    """The three elementwise passes of a Per-Head Muon step over one parameter of ``size`` elements."""
+    buffer, grad, param = (torch.randn(size) for _ in range(3))
+    call = (lambda function, *args: COMPILED[function](*args)) if compiled else (lambda function, *args: function(*args))
+
+    def step():
+        call(advance_momentum_, buffer, grad, 0.95)
+        call(decay_and_add_, param, call(nesterov_update, grad, buffer, 0.95, torch.bfloat16), 1.0, -1e-9)
+
+    return step
+
+
+def elementwise_table(repeats: int, sizes=(2**14, 2**16, 2**17, 2**18, 2**19, 2**21)) -> dict:
+    rows = []
+    for size in sizes:
+        seconds = time_interleaved({"eager": elementwise_passes(size, False),
+                                    "compiled": elementwise_passes(size, True)}, repeats=repeats)
+        rows.append({"elements": size, "eager µs": seconds["eager"] * 1e6, "compiled µs": seconds["compiled"] * 1e6,
+                     "eager ÷ compiled": seconds["eager"] / seconds["compiled"]})
+    return {"caption": "Momentum, Nesterov update (bf16) and decay with the update over one parameter, eager and "
+                       "compiled (the step compiles them from kimi_k3.optim.elementwise.COMPILED_MIN_ELEMENTS).",
+            "columns": ["elements", "eager µs", "compiled µs", "eager ÷ compiled"], "rows": rows}
+
+
 def run(quick: bool = False, repeats: int | None = None) -> dict:
     repeats = repeats or (2 if quick else 5)
     torch.manual_seed(0)
@@ -163,7 +190,7 @@ def run(quick: bool = False, repeats: int | None = None) -> dict:
     return {
         "title": f"P4 - optimizer step, default KimiK3Config() ({millions:.1f}M parameters), random gradients",
         "tables": [{"caption": "", "columns": ["optimizer", "step ms", "÷ AdamW", "÷ NS floor, same dtype"],
-                    "rows": rows}],
+                    "rows": rows}, elementwise_table(repeats)],
         "notes": [
             f"Newton–Schulz: {sum(s.shape[0] for s in stacks):,} blocks, {ns_flops / 1e9:.0f} GFLOP per step; block "
             f"matmuls ran at {', '.join(f'{rate / 1e9:.0f} GFLOP/s in {name}' for name, rate in rates.items())} here "

@@ -41,6 +41,7 @@ from kimi_k3.optim.newton_schulz import (
     NewtonSchulzQueue,
     orthogonalize_by_shape,
 )
+from kimi_k3.optim import elementwise
 from kimi_k3.optim.precision import matmul_dtype
 from kimi_k3.parallel.shard_layout import LayoutError, check_local_shard
 from kimi_k3.optim.newton_schulz_exchange import CutBlockExchange, HomeBlocks, orthogonalize_replicated
@@ -329,18 +330,19 @@ class PerHeadMuon(torch.optim.Optimizer):
         state = self.state[job.param]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(job.param)
-        buffer = state["momentum_buffer"]
-        buffer.mul_(job.group["momentum"]).add_(job.param.grad)
-        return buffer
+        return elementwise.run(elementwise.advance_momentum_, state["momentum_buffer"], job.param.grad,
+                               job.group["momentum"])
 
-    @staticmethod
-    def _nesterov_update(p, group, buffer):
-        return p.grad.add(buffer, alpha=group["momentum"]) if group["nesterov"] else buffer
+    def _nesterov_update(self, p, group, buffer):
+        """The update Newton–Schulz orthogonalises, already in its dtype (the rounding it would do on reading)."""
+        if not group["nesterov"]:
+            return buffer
+        return elementwise.run(elementwise.nesterov_update, p.grad, buffer, group["momentum"], self.ns_dtype)
 
     @staticmethod
     def _apply(job, update, scale):
-        job.param.mul_(1 - job.group["lr"] * job.group["weight_decay"])
-        job.param.add_(update, alpha=-job.group["lr"] * scale)
+        lr, weight_decay = job.group["lr"], job.group["weight_decay"]
+        elementwise.run(elementwise.decay_and_add_, job.param, update, 1 - lr * weight_decay, -lr * scale)
 
     def _adamw_step(self, group):
         params = [p for p in group["params"] if p.grad is not None]

@@ -152,13 +152,13 @@ def test_a_single_process_step_holds_about_one_parameters_update_at_a_time(monke
     alive, most = [], []
     nesterov = PerHeadMuon._nesterov_update
 
-    def tracked(p, group, buffer):
-        update = nesterov(p, group, buffer)
+    def tracked(optimizer, p, group, buffer):
+        update = nesterov(optimizer, p, group, buffer)
         alive.append(weakref.ref(update))
         most.append(sum(ref() is not None for ref in alive))
         return update
 
-    monkeypatch.setattr(PerHeadMuon, "_nesterov_update", staticmethod(tracked))
+    monkeypatch.setattr(PerHeadMuon, "_nesterov_update", tracked)
     model = KimiK3ForCausalLM(tiny_config())
     optimizer = PerHeadMuon.for_model(model, lr=1e-2)
     for p in model.parameters():

@@ -1,0 +1,58 @@
+"""The elementwise passes of a Per-Head Muon step, one compiled loop each on large parameters.
+
+Around Newton–Schulz a Muon step reads and writes every parameter element several times: momentum is two passes
+(``mul_``, ``add_``), the Nesterov update a third that allocates an fp32 tensor which Newton–Schulz then reads once
+more to round it to bf16, and decoupled decay with the update two more, the second a mixed-dtype add (fp32 parameter,
+bf16 update), torch's slowest elementwise path on a CPU. Each function below is one of these passes written as the
+plain torch expression it computes; :func:`run` calls it compiled (``torch.compile``: inductor makes one loop of it,
+with the rounding to Newton–Schulz's dtype inside) for parameters of at least :data:`COMPILED_MIN_ELEMENTS`
+elements, and eager below, where a compiled call's fixed cost (about 30 µs) is more than the passes it saves.
+
+Eager and compiled round identically: every product and every sum is rounded on its own in both (inductor builds its
+CPU kernels with ``-ffp-contract=off`` and these expressions give it no fused multiply-add to emit), so which of the
+two runs a parameter, by size, by layout (a ``DTensor`` shard always runs eager), or because compilation failed, never
+changes a bit of the update. ``tests/optim/test_elementwise.py`` pins that on odd lengths and strided tensors.
+"""
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from kimi_k3.kernels.compiled import CompiledFunction
+
+# Elements from which the compiled loops beat eager's passes on a CPU: on 2 cores of an AVX-512 Xeon the three passes
+# of one parameter are even at 2^18 elements, 1.3x faster compiled at 2^19 and 2x at 2^21 (`benchmarks/
+# bench_optimizer.py`, last table); the default model's expert tensors (2^20-2^21) run compiled, its attention
+# projections (2^15-2^16) eager.
+COMPILED_MIN_ELEMENTS = 2**18
+
+
+def advance_momentum_(buffer: torch.Tensor, grad: torch.Tensor, momentum: float) -> torch.Tensor:
+    """``buffer <- momentum * buffer + grad``, in place."""
+    return buffer.mul_(momentum).add_(grad)
+
+
+def nesterov_update(grad: torch.Tensor, buffer: torch.Tensor, momentum: float, dtype: torch.dtype) -> torch.Tensor:
+    """``grad + momentum * buffer`` (Nesterov's look-ahead) in ``dtype``, the dtype Newton–Schulz runs in."""
+    return (grad + buffer * momentum).to(dtype)
+
+
+def decay_and_add_(param: torch.Tensor, update: torch.Tensor, decay: float, alpha: float) -> torch.Tensor:
+    """``param <- decay * param + alpha * update``, in place, in the parameter's dtype (decoupled weight decay and
+    the scaled orthogonalised update)."""
+    return param.mul_(decay).add_(update.to(param.dtype) * alpha)
+
+
+_HINT = "Per-Head Muon then runs its elementwise passes eagerly, with the same results"
+COMPILED = {
+    function: CompiledFunction(function, skip_hint=_HINT)
+    for function in (advance_momentum_, nesterov_update, decay_and_add_)
+}
+
+
+def run(function, *args):
+    """``function(*args)``, compiled where the first tensor (the parameter-sized one) has at least
+    :data:`COMPILED_MIN_ELEMENTS` elements and no tensor is a ``DTensor``; eager otherwise."""
+    tensors = [arg for arg in args if isinstance(arg, torch.Tensor)]
+    if tensors[0].numel() >= COMPILED_MIN_ELEMENTS and not any(isinstance(t, DTensor) for t in tensors):
+        return COMPILED[function](*args)
+    return function(*args)
