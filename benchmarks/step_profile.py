@@ -11,6 +11,8 @@ optimizer step and the policies' updates; no data loading.
   spent inside any operator is Python and dispatch. The profiler adds a few microseconds per operator, so the per-operator
   classes are taken from the profile and the Python/dispatch share is the unprofiled wall time minus them.
 - **QK-Clip's cost**: the same step without QK-Clip, timed interleaved with it.
+- **What compiling Per-Head Muon's elementwise passes buys**: the same step with those passes eager at every size
+  (``kimi_k3.optim.elementwise``), timed interleaved with it.
 - **Matmul floor**: every matrix product of one step (forward, backward, Newton–Schulz), recorded with its shapes by
   a dispatch mode, then replayed back to back on fresh tensors of the same shapes, strides and dtypes. That is the
   time the step would take if everything but its matrix products were free; each phase is also set against the
@@ -25,6 +27,7 @@ import contextlib
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +39,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
 from kimi_k3.kernels.training import use_fused_kernels  # noqa: E402
+from kimi_k3.optim import elementwise  # noqa: E402
 from kimi_k3.optim.muon import PerHeadMuon  # noqa: E402
 from kimi_k3.policies.qk_clip import QKClip  # noqa: E402
 from kimi_k3.policies.quantile_balancing import QuantileBalancing  # noqa: E402
@@ -123,6 +127,18 @@ def job_training_step(batch_size: int = JOB_BATCH[0], seq_len: int = JOB_BATCH[1
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(3, config.vocab_size, (batch_size, seq_len), generator=generator)
     return JobStep(model, optimizer, input_ids)
+
+
+def with_eager_optimizer_passes(step: JobStep) -> Callable[[], tuple[float, float, float]]:
+    """``step`` with Per-Head Muon's elementwise passes eager whatever the parameter's size (same results)."""
+    def run():
+        threshold, elementwise.COMPILED_MIN_ELEMENTS = elementwise.COMPILED_MIN_ELEMENTS, math.inf
+        try:
+            return step()
+        finally:
+            elementwise.COMPILED_MIN_ELEMENTS = threshold
+
+    return run
 
 
 def operator_class(name: str) -> str:
@@ -333,14 +349,19 @@ def run(profiled_steps: int = 3, repeats: int = 3, fill_uninitialized_memory: bo
     without_qk_clip = job_training_step(qk_clip=False)
     for _ in range(2):
         without_qk_clip()
+    eager_passes = with_eager_optimizer_passes(job_training_step())
+    for _ in range(2):
+        eager_passes()
     replays = {"floor": floor.replay(), **{f"{phase} floor": phase_floors[phase].replay() for phase in PHASES}}
-    times = time_interleaved({"step": step, "without QK-Clip": without_qk_clip, **replays}, repeats=repeats)
+    times = time_interleaved({"step": step, "without QK-Clip": without_qk_clip, "eager passes": eager_passes,
+                              **replays}, repeats=repeats)
     phases = phase_times(step, repeats)
     profile = least_disturbed_profile(step, profiled_steps)
     wall, gemm = times["step"], large_gemm_rate()
     summary = {
         "step ms": 1e3 * wall, "tokens/s": step.input_ids.numel() / wall,
         "step without QK-Clip ms": 1e3 * times["without QK-Clip"],
+        "step, Muon's elementwise passes eager ms": 1e3 * times["eager passes"],
         **{f"{name} ms": 1e3 * seconds for name, seconds in phases.items()},
         "matmul floor ms": 1e3 * times["floor"], "step / floor": wall / times["floor"],
         "matmul GFLOP / step": floor.flops / 1e9, "step GFLOP/s": floor.flops / wall / 1e9,

@@ -10,8 +10,9 @@ elements, and eager below, where a compiled call's fixed cost (about 30 µs) is 
 
 Eager and compiled round identically: every product and every sum is rounded on its own in both (inductor builds its
 CPU kernels with ``-ffp-contract=off`` and these expressions give it no fused multiply-add to emit), so which of the
-two runs a parameter, by size, by layout (a ``DTensor`` shard always runs eager), or because compilation failed, never
-changes a bit of the update. ``tests/optim/test_elementwise.py`` pins that on odd lengths and strided tensors.
+two runs a parameter, by size, by layout, or because compilation failed, never changes a bit of the update.
+``tests/optim/test_elementwise.py`` pins that on odd lengths and strided tensors, and the distributed Per-Head Muon
+tests hold FSDP2 and DDP steps of the default model (compiled on the shards) to the single process bit for bit.
 """
 
 import torch
@@ -51,8 +52,26 @@ COMPILED = {
 
 def run(function, *args):
     """``function(*args)``, compiled where the first tensor (the parameter-sized one) has at least
-    :data:`COMPILED_MIN_ELEMENTS` elements and no tensor is a ``DTensor``; eager otherwise."""
+    :data:`COMPILED_MIN_ELEMENTS` elements, eager below. ``DTensor`` arguments laid out alike (an FSDP2 or expert-
+    parallel parameter with its gradient and momentum) run compiled on their local shards, elementwise as the
+    passes are; any other mix runs eager on the ``DTensor``s."""
     tensors = [arg for arg in args if isinstance(arg, torch.Tensor)]
-    if tensors[0].numel() >= COMPILED_MIN_ELEMENTS and not any(isinstance(t, DTensor) for t in tensors):
-        return COMPILED[function](*args)
-    return function(*args)
+    if tensors[0].numel() < COMPILED_MIN_ELEMENTS:
+        return function(*args)
+    if not isinstance(tensors[0], DTensor):
+        return function(*args) if any(isinstance(t, DTensor) for t in tensors) else COMPILED[function](*args)
+    if not all(_laid_out_alike(t, tensors[0]) for t in tensors):
+        return function(*args)
+    local_args = [arg.to_local() if isinstance(arg, DTensor) else arg for arg in args]
+    result = COMPILED[function](*local_args)
+    for arg, local in zip(args, local_args):
+        if result is local:  # an in-place pass returns its (sharded) first argument
+            return arg
+    first = tensors[0]
+    return DTensor.from_local(result, first.device_mesh, first.placements, run_check=False, shape=first.shape,
+                              stride=first.stride())
+
+
+def _laid_out_alike(tensor: torch.Tensor, first: DTensor) -> bool:
+    return (isinstance(tensor, DTensor) and tensor.shape == first.shape and tensor.device_mesh == first.device_mesh
+            and tensor.placements == first.placements)
