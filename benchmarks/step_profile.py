@@ -201,10 +201,14 @@ def breakdown_rows(profile: Profile, wall: float) -> list[dict]:
             for name, seconds in sorted(parts.items(), key=lambda item: -item[1])]
 
 
-def phase_times(step: JobStep, repeats: int) -> dict[str, float]:
-    """Fastest forward, backward and optimizer step (with the policies' hooks) over ``repeats`` steps, in seconds."""
-    phases = [step() for _ in range(repeats)]
-    return {name: min(times) for name, times in zip(PHASES, zip(*phases))}
+def phase_times(steps: dict[str, Callable[[], tuple[float, float, float]]], repeats: int) -> dict[str, dict]:
+    """Fastest forward, backward and optimizer step (with the policies' hooks) of each of ``steps`` over ``repeats``
+    rounds in which every step runs once, in seconds."""
+    runs = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            runs[name].append(step())
+    return {name: {phase: min(times) for phase, times in zip(PHASES, zip(*rounds))} for name, rounds in runs.items()}
 
 
 class MatmulRecorder(TorchDispatchMode):
@@ -316,8 +320,8 @@ def _shapes_only(args) -> list:
 
 def record_phase_matmuls(batch_size: int = JOB_BATCH[0], seq_len: int = JOB_BATCH[1]) -> dict[str, MatmulFloor]:
     """The matrix products of each phase of one job step (its second: the first allocates the optimizer state),
-    taken from a step of its own with the eager references: the compiled kernels, shared by the process, stop running
-    compiled after a call under a dispatch mode, and neither SiTU-GLU nor AttnRes has a matrix product."""
+    taken from a step of its own with the eager references (neither SiTU-GLU nor AttnRes has a matrix product; the
+    compiled kernels would run eagerly under the recording mode anyway)."""
     step = job_training_step(batch_size, seq_len, fused_kernels=False)
     step()
     recorders = {phase: MatmulRecorder() for phase in PHASES}
@@ -355,7 +359,7 @@ def run(profiled_steps: int = 3, repeats: int = 3, fill_uninitialized_memory: bo
     replays = {"floor": floor.replay(), **{f"{phase} floor": phase_floors[phase].replay() for phase in PHASES}}
     times = time_interleaved({"step": step, "without QK-Clip": without_qk_clip, "eager passes": eager_passes,
                               **replays}, repeats=repeats)
-    phases = phase_times(step, repeats)
+    phases, eager_phases = phase_times({"step": step, "eager passes": eager_passes}, 2 * repeats).values()
     profile = least_disturbed_profile(step, profiled_steps)
     wall, gemm = times["step"], large_gemm_rate()
     summary = {
@@ -363,6 +367,7 @@ def run(profiled_steps: int = 3, repeats: int = 3, fill_uninitialized_memory: bo
         "step without QK-Clip ms": 1e3 * times["without QK-Clip"],
         "step, Muon's elementwise passes eager ms": 1e3 * times["eager passes"],
         **{f"{name} ms": 1e3 * seconds for name, seconds in phases.items()},
+        "optimizer step, Muon's elementwise passes eager ms": 1e3 * eager_phases["optimizer step"],
         "matmul floor ms": 1e3 * times["floor"], "step / floor": wall / times["floor"],
         "matmul GFLOP / step": floor.flops / 1e9, "step GFLOP/s": floor.flops / wall / 1e9,
         "large-GEMM GFLOP/s": gemm / 1e9, "share of large-GEMM rate %": 100 * floor.flops / wall / gemm,

@@ -204,6 +204,12 @@ BORROWED_API = [
                 "kimi_k3.kernels.compiled.backward_compiled_with_forward: a differentiable kernel's backward is compiled "
                 "in its forward call, so a backward that cannot be compiled falls back to the eager function there",
                 lambda: hasattr(importlib.import_module("torch._functorch.config"), "force_non_lazy_backward_lowering")),
+    # torch keeps no public query for an active dispatch mode, under which a compiled call disables dynamo for good.
+    BorrowedApi("torch.utils._python_dispatch.is_in_torch_dispatch_mode",
+                "kimi_k3.kernels.compiled.CompiledFunction runs the eager function under a TorchDispatchMode (FLOP "
+                "counters, operator recorders): the mode sees its operators, and the compiled kernel stays compiled",
+                lambda: "include_infra_modes" in parameters(
+                    importlib.import_module("torch.utils._python_dispatch").is_in_torch_dispatch_mode)),
     # Benchmarks only: torch keeps no public way to see every ATen call of a backward pass, or the compiler's phases.
     BorrowedApi("torch.utils._python_dispatch.TorchDispatchMode",
                 "benchmarks/step_profile.py records the shapes of every matrix product of a training step, forward, "
