@@ -71,17 +71,21 @@ def counted_traffic(traffic: list[int]):
         yield
 
 
-def run_steps(model) -> dict:
+def run_steps(model, counted: bool = True) -> dict:
     """STEPS optimizer steps (momentum carries over): per step, the matmul FLOPs and the traffic of this process, and
-    the traffic the optimizer's own plans give this rank."""
+    the traffic the optimizer's own plans give this rank. ``counted=False`` steps outside the FLOP counter's dispatch
+    mode, under which Per-Head Muon's compiled elementwise passes run eagerly, so that they run compiled."""
     optimizer = PerHeadMuon.for_model(model, lr=LEARNING_RATE)
     flops, traffic = [], []
     for step in range(STEPS):
         set_gradients(model, step)
         traffic.append([0, 0])
-        with FlopCounterMode(display=False) as counter, counted_traffic(traffic[-1]):
+        with contextlib.ExitStack() as counting:
+            if counted:
+                counter = counting.enter_context(FlopCounterMode(display=False))
+                counting.enter_context(counted_traffic(traffic[-1]))
             optimizer.step()
-        flops.append(counter.get_total_flops())
+        flops.append(counter.get_total_flops() if counted else None)
         optimizer.zero_grad()
     itemsize = optimizer.ns_dtype.itemsize
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -97,14 +101,14 @@ def single_process(config: KimiK3Config) -> dict:
     return {"flops": result["flops"], "state": model.state_dict()}
 
 
-def distributed_layout(config: KimiK3Config, layout: str) -> dict:
+def distributed_layout(config: KimiK3Config, layout: str, counted: bool = True) -> dict:
     model = build_model(config)
     if layout == "fsdp2":
         shard_decoder_layers(model)
     elif layout in TRANSFORMERS_LAYOUTS:
         distributed_config, _, mesh = KimiK3ForCausalLM.prepare_distribute_model(TRANSFORMERS_LAYOUTS[layout])
         model = KimiK3ForCausalLM.maybe_distribute_model(model, distributed_config, mesh)
-    result = run_steps(model)
+    result = run_steps(model, counted)
     gathered = {key: [None] * dist.get_world_size() for key in ("flops", "traffic", "planned_traffic", "planned_flops")}
     for key, values in gathered.items():
         dist.all_gather_object(values, result[key])
@@ -132,6 +136,9 @@ def main(work: Path) -> None:
     for name, layouts in json.loads((work / "layouts.json").read_text()).items():
         config = KimiK3Config.from_json_file(work / f"{name}.json")
         results[name] = {layout: distributed_layout(config, layout) for layout in layouts}
+    default = KimiK3Config.from_json_file(work / "default.json")
+    results["not counted"] = {layout: distributed_layout(default, layout, counted=False)["state"]
+                              for layout in ("ddp", "fsdp2")}
     results["refusal"] = refusal_of_rank_dependent_updates(config)
     if dist.get_rank() == 0:
         torch.save(results, work / "split.pt")

@@ -230,6 +230,20 @@ def test_split_newton_schulz_is_bitwise_the_single_process_update_over_steps_wit
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", ["ddp", "fsdp2"])
+def test_steps_with_the_compiled_elementwise_passes_are_bitwise_the_single_process_update(
+    layout, launched, single_process
+):
+    """Outside the FLOP counter the default model's expert tensors take Per-Head Muon's compiled elementwise passes
+    (plain tensors under DDP, the local shards under FSDP2); the single process ran them eagerly under the counter."""
+    state, expected_state = launched["not counted"][layout], single_process["default"]["state"]
+    assert state.keys() == expected_state.keys()
+    for name, expected in expected_state.items():
+        assert torch.equal(state[name], expected), name
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize(("config", "layout"), RUNS)
 def test_measured_traffic_is_what_the_optimizers_plans_give_each_rank(config, layout, launched):
     result = launched[config][layout]
