@@ -149,7 +149,7 @@ def operator_class(name: str) -> str:
     if name in VIEW_NAMES:
         return "views and scalars (dispatch)"
     if "CompiledFxGraph" in name:
-        return "compiled kernels (SiTU-GLU, AttnRes)"
+        return "compiled kernels (SiTU-GLU, AttnRes, Muon's elementwise passes)"
     if "convolution" in name:
         return "short convolution"
     if name.startswith("aten::"):
