@@ -204,6 +204,11 @@ BORROWED_API = [
                 "kimi_k3.kernels.compiled.backward_compiled_with_forward: a differentiable kernel's backward is compiled "
                 "in its forward call, so a backward that cannot be compiled falls back to the eager function there",
                 lambda: hasattr(importlib.import_module("torch._functorch.config"), "force_non_lazy_backward_lowering")),
+    # inductor keeps 16-bit intermediates in fp32 unless told to round them as eager does.
+    BorrowedApi("torch.compile(options={'emulate_precision_casts': True})",
+                "kimi_k3.optim.elementwise: Per-Head Muon's compiled passes round a bf16 parameter's momentum and "
+                "update after every operation, as eager does, so the compiled and eager paths give the same bits",
+                lambda: hasattr(importlib.import_module("torch._inductor.config"), "emulate_precision_casts")),
     # torch keeps no public query for an active dispatch mode, under which a compiled call disables dynamo for good.
     BorrowedApi("torch.utils._python_dispatch.is_in_torch_dispatch_mode",
                 "kimi_k3.kernels.compiled.CompiledFunction runs the eager function under a TorchDispatchMode (FLOP "

@@ -9,8 +9,10 @@ with the rounding to Newton–Schulz's dtype inside) for parameters of at least 
 elements, and eager below, where a compiled call's fixed cost (about 30 µs) is more than the passes it saves.
 
 Eager and compiled round identically: every product and every sum is rounded on its own in both (inductor builds its
-CPU kernels with ``-ffp-contract=off`` and these expressions give it no fused multiply-add to emit), so which of the
-two runs a parameter, by size, by layout, or because compilation failed, never changes a bit of the update.
+CPU kernels with ``-ffp-contract=off`` and these expressions give it no fused multiply-add to emit), and to the
+tensor's dtype after every operation for 16-bit parameters too (inductor's ``emulate_precision_casts``; it otherwise
+keeps bf16 intermediates in fp32), so which of the two runs a parameter, by size, by layout, or because compilation
+failed, never changes a bit of the update.
 ``tests/optim/test_elementwise.py`` pins that on odd lengths and strided tensors, and the distributed Per-Head Muon
 tests hold FSDP2 and DDP steps of the default model (compiled on the shards) to the single process bit for bit. On a
 GPU, Triton may fuse a multiply-add that eager rounds twice; the choice of path still does not depend on the layout
@@ -48,7 +50,7 @@ def decay_and_add_(param: torch.Tensor, update: torch.Tensor, decay: float, alph
 
 _HINT = "Per-Head Muon then runs its elementwise passes eagerly, with the same results"
 COMPILED = {
-    function: CompiledFunction(function, skip_hint=_HINT)
+    function: CompiledFunction(function, skip_hint=_HINT, options={"emulate_precision_casts": True})
     for function in (advance_momentum_, nesterov_update, decay_and_add_)
 }
 
@@ -61,20 +63,20 @@ def run(function, *args):
     tensors = [arg for arg in args if isinstance(arg, torch.Tensor)]
     if tensors[0].numel() < COMPILED_MIN_ELEMENTS:
         return function(*args)
-    if not isinstance(tensors[0], DTensor):
-        return function(*args) if any(isinstance(t, DTensor) for t in tensors) else COMPILED[function](*args)
-    if not all(_laid_out_alike(t, tensors[0]) for t in tensors):
+    sharded = [tensor for tensor in tensors if isinstance(tensor, DTensor)]
+    if not sharded:
+        return COMPILED[function](*args)
+    first = sharded[0]
+    if len(sharded) < len(tensors) or not all(_laid_out_alike(tensor, first) for tensor in sharded):
         return function(*args)
     local_args = [arg.to_local() if isinstance(arg, DTensor) else arg for arg in args]
     result = COMPILED[function](*local_args)
     for arg, local in zip(args, local_args):
         if result is local:  # an in-place pass returns its (sharded) first argument
             return arg
-    first = tensors[0]
     return DTensor.from_local(result, first.device_mesh, first.placements, run_check=False, shape=first.shape,
                               stride=first.stride())
 
 
-def _laid_out_alike(tensor: torch.Tensor, first: DTensor) -> bool:
-    return (isinstance(tensor, DTensor) and tensor.shape == first.shape and tensor.device_mesh == first.device_mesh
-            and tensor.placements == first.placements)
+def _laid_out_alike(tensor: DTensor, first: DTensor) -> bool:
+    return (tensor.shape, tensor.device_mesh, tensor.placements) == (first.shape, first.device_mesh, first.placements)

@@ -16,12 +16,12 @@ FP32_EPS = torch.finfo(torch.float32).eps
 LENGTHS = (1, 7, 33, 1000, 65_537)
 
 
-def _tensors(length, strided, seed, count=3):
+def _tensors(length, strided, seed, count=3, dtype=torch.float32):
     generator = torch.Generator().manual_seed(seed)
     if not strided:
-        return [torch.randn(length, generator=generator) * 10 ** torch.randint(-3, 3, (1,), generator=generator)
-                for _ in range(count)]
-    return [torch.randn(length, 2, generator=generator)[:, 0] for _ in range(count)]
+        return [(torch.randn(length, generator=generator) * 10 ** torch.randint(-3, 3, (1,), generator=generator))
+                .to(dtype) for _ in range(count)]
+    return [torch.randn(length, 2, generator=generator)[:, 0].to(dtype) for _ in range(count)]
 
 
 def _compiled(function, *args):
@@ -31,14 +31,16 @@ def _compiled(function, *args):
     return result
 
 
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
 @pytest.mark.parametrize("length", LENGTHS)
-def test_compiled_passes_round_exactly_as_eager(length, strided):
-    buffer, grad, param = _tensors(length, strided, seed=length)
+def test_compiled_passes_round_exactly_as_eager(length, strided, param_dtype):
+    """A bf16 parameter (its momentum and gradient bf16 too) rounds after every operation in both paths."""
+    buffer, grad, param = _tensors(length, strided, seed=length, dtype=param_dtype)
     eager_buffer, compiled_buffer = buffer.clone(), buffer.clone()
     if strided:  # in-place results must land in the strided memory itself
-        eager_buffer = torch.randn(length, 2)[:, 0].copy_(buffer)
-        compiled_buffer = torch.randn(length, 2)[:, 0].copy_(buffer)
+        eager_buffer = torch.randn(length, 2)[:, 0].to(param_dtype).copy_(buffer)
+        compiled_buffer = torch.randn(length, 2)[:, 0].to(param_dtype).copy_(buffer)
     advance_momentum_(eager_buffer, grad, 0.95)
     _compiled(advance_momentum_, compiled_buffer, grad, 0.95)
     assert torch.equal(eager_buffer, compiled_buffer)
