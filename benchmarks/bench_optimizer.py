@@ -46,6 +46,7 @@ from kimi_k3.optim.muon import (  # noqa: E402
     row_pattern,
     split_row_blocks,
 )
+from kimi_k3.job.allocator import restart_under_tcmalloc  # noqa: E402
 from kimi_k3.optim.elementwise import COMPILED, advance_momentum_, decay_and_add_, nesterov_update  # noqa: E402
 from kimi_k3.optim.newton_schulz import newton_schulz5_call  # noqa: E402
 from kimi_k3.optim.precision import cpu_has_native_bf16  # noqa: E402
@@ -279,6 +280,7 @@ def training_table(args: argparse.Namespace, learning_rates: dict[str, tuple[flo
 
 
 def main() -> None:
+    restart_under_tcmalloc(Path(sys.argv[0]).name)  # as kimi-k3-train and the other benchmarks run
     args = parse_args()
     if not args.skip_timing and not args.sweep:
         report("optimizer", run(repeats=args.repeats))
