@@ -6,7 +6,9 @@ more to round it to bf16, and decoupled decay with the update two more, the seco
 bf16 update), torch's slowest elementwise path on a CPU. Each function below is one of these passes written as the
 plain torch expression it computes; :func:`run` calls it compiled (``torch.compile``: inductor makes one loop of it,
 with the rounding to Newton–Schulz's dtype inside) for parameters of at least :data:`COMPILED_MIN_ELEMENTS`
-elements, and eager below, where a compiled call's fixed cost (about 30 µs) is more than the passes it saves.
+elements, and eager below, where a compiled call's fixed cost (about 30 µs) is more than the passes it saves. Where
+the step forms its update once (one process, DDP), momentum and the update are one loop
+(:func:`momentum_and_nesterov_update_`).
 
 Eager and compiled round identically: every product and every sum is rounded on its own in both (inductor builds its
 CPU kernels with ``-ffp-contract=off`` and these expressions give it no fused multiply-add to emit), and to the
@@ -42,6 +44,13 @@ def nesterov_update(grad: torch.Tensor, buffer: torch.Tensor, momentum: float, d
     return (grad + buffer * momentum).to(dtype)
 
 
+def momentum_and_nesterov_update_(buffer: torch.Tensor, grad: torch.Tensor, momentum: float,
+                                  dtype: torch.dtype) -> torch.Tensor:
+    """`advance_momentum_` then `nesterov_update`, the same bits in one pass: the gradient and the momentum are read
+    once for both (the single-process and replicated steps; the sharded step forms its update twice)."""
+    return nesterov_update(grad, advance_momentum_(buffer, grad, momentum), momentum, dtype)
+
+
 def decay_and_add_(param: torch.Tensor, update: torch.Tensor, decay: float, alpha: float) -> torch.Tensor:
     """``param <- decay * param + alpha * update``, in place, in the parameter's dtype (decoupled weight decay and
     the scaled orthogonalised update)."""
@@ -51,7 +60,7 @@ def decay_and_add_(param: torch.Tensor, update: torch.Tensor, decay: float, alph
 _HINT = "Per-Head Muon then runs its elementwise passes eagerly, with the same results"
 COMPILED = {
     function: CompiledFunction(function, skip_hint=_HINT, options={"emulate_precision_casts": True})
-    for function in (advance_momentum_, nesterov_update, decay_and_add_)
+    for function in (advance_momentum_, nesterov_update, momentum_and_nesterov_update_, decay_and_add_)
 }
 
 

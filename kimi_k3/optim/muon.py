@@ -248,7 +248,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         step holds about one update besides the blocks waiting for a chunk."""
         queue = NewtonSchulzQueue(self.ns_dtype)
         for job in jobs:
-            update = self._nesterov_update(job.param, job.group, self._advance_momentum(job))
+            update = self._momentum_and_update(job)
             whole = gather_whole_matrix(update)
             queue.submit(split_row_blocks(whole, job.pattern),
                          functools.partial(self._apply_whole, job, shard_layout(update), whole.shape))
@@ -264,7 +264,7 @@ class PerHeadMuon(torch.optim.Optimizer):
 
     def _replicated_step(self, domain, jobs):
         """Every update of the step at hand, split over the replicated ranks of ``domain``."""
-        updates = [self._nesterov_update(job.param, job.group, self._advance_momentum(job)) for job in jobs]
+        updates = [self._momentum_and_update(job) for job in jobs]
         patterns, dtypes = [job.pattern for job in jobs], [job.param.dtype for job in jobs]
         key = (domain, tuple(tuple(update.shape) for update in updates), tuple(patterns))
         if key not in self._plans:
@@ -326,12 +326,22 @@ class PerHeadMuon(torch.optim.Optimizer):
         tests that compare them with a layout's."""
         return list(self._plans.values())
 
-    def _advance_momentum(self, job):
-        state = self.state[job.param]
+    def _momentum_buffer(self, param):
+        state = self.state[param]
         if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(job.param)
-        return elementwise.run(elementwise.advance_momentum_, state["momentum_buffer"], job.param.grad,
+            state["momentum_buffer"] = torch.zeros_like(param)
+        return state["momentum_buffer"]
+
+    def _advance_momentum(self, job):
+        return elementwise.run(elementwise.advance_momentum_, self._momentum_buffer(job.param), job.param.grad,
                                job.group["momentum"])
+
+    def _momentum_and_update(self, job):
+        """`_advance_momentum` then `_nesterov_update` in one pass over the parameter (the same bits)."""
+        if not job.group["nesterov"]:
+            return self._advance_momentum(job)
+        return elementwise.run(elementwise.momentum_and_nesterov_update_, self._momentum_buffer(job.param),
+                               job.param.grad, job.group["momentum"], self.ns_dtype)
 
     def _nesterov_update(self, p, group, buffer):
         """The update Newton–Schulz orthogonalises, already in its dtype (the rounding it would do on reading)."""

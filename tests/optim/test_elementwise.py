@@ -6,7 +6,13 @@ import torch
 from torch._dynamo.utils import counters
 
 from kimi_k3.optim import elementwise
-from kimi_k3.optim.elementwise import COMPILED, advance_momentum_, decay_and_add_, nesterov_update
+from kimi_k3.optim.elementwise import (
+    COMPILED,
+    advance_momentum_,
+    decay_and_add_,
+    momentum_and_nesterov_update_,
+    nesterov_update,
+)
 from kimi_k3.optim.muon import PerHeadMuon
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from tests.conftest import tiny_config
@@ -49,6 +55,9 @@ def test_compiled_passes_round_exactly_as_eager(length, strided, param_dtype):
         eager = nesterov_update(grad, eager_buffer, 0.95, dtype)
         compiled = _compiled(nesterov_update, grad, compiled_buffer, 0.95, dtype)
         assert compiled.dtype == dtype and torch.equal(eager, compiled)
+        one_pass_buffer = buffer.clone()
+        one_pass = _compiled(momentum_and_nesterov_update_, one_pass_buffer, grad, 0.95, dtype)
+        assert torch.equal(one_pass_buffer, compiled_buffer) and torch.equal(one_pass, compiled)
         eager_param, compiled_param = param.clone(), param.clone()
         decay_and_add_(eager_param, eager, 1 - 3e-3 * 0.1, -3e-3 * 0.2 * 16)
         _compiled(decay_and_add_, compiled_param, compiled, 1 - 3e-3 * 0.1, -3e-3 * 0.2 * 16)

@@ -150,15 +150,15 @@ def test_a_single_process_step_holds_about_one_parameters_update_at_a_time(monke
     """Each Nesterov update is dropped once its blocks are in the Newton–Schulz queue (waiting blocks are copied), so
     the step's memory does not grow with the number of parameters; before the queue it held every update at once."""
     alive, most = [], []
-    nesterov = PerHeadMuon._nesterov_update
+    momentum_and_update = PerHeadMuon._momentum_and_update
 
-    def tracked(optimizer, p, group, buffer):
-        update = nesterov(optimizer, p, group, buffer)
+    def tracked(optimizer, job):
+        update = momentum_and_update(optimizer, job)
         alive.append(weakref.ref(update))
         most.append(sum(ref() is not None for ref in alive))
         return update
 
-    monkeypatch.setattr(PerHeadMuon, "_nesterov_update", tracked)
+    monkeypatch.setattr(PerHeadMuon, "_momentum_and_update", tracked)
     model = KimiK3ForCausalLM(tiny_config())
     optimizer = PerHeadMuon.for_model(model, lr=1e-2)
     for p in model.parameters():
