@@ -14,12 +14,12 @@ Eager and compiled round identically: every product and every sum is rounded on 
 CPU kernels with ``-ffp-contract=off`` and these expressions give it no fused multiply-add to emit), and to the
 tensor's dtype after every operation for 16-bit parameters too (inductor's ``emulate_precision_casts``; it otherwise
 keeps bf16 intermediates in fp32), so which of the two runs a parameter, by size, by layout, or because compilation
-failed, never changes a bit of the update.
-``tests/optim/test_elementwise.py`` pins that on odd lengths and strided tensors, and the distributed Per-Head Muon
-tests hold FSDP2 and DDP steps of the default model (compiled on the shards) to the single process bit for bit. On a
-GPU, Triton may fuse a multiply-add that eager rounds twice; the choice of path still does not depend on the layout
-(the size tested is the parameter's, not the shard's, and shards laid out alike run compiled), so ranks agree there
-too, apart from a ``DTensor`` mixed with plain or differently laid out tensors, which runs eager.
+failed, never changes a bit of the update. ``tests/optim/test_elementwise.py`` pins that on odd lengths and strided
+tensors, and the distributed Per-Head Muon tests hold FSDP2 and DDP steps of the default model (compiled on the
+shards) to the single process bit for bit. On a GPU, Triton may fuse a multiply-add that eager rounds twice; the
+choice of path still does not depend on the layout (the size tested is the parameter's, not the shard's, and shards
+laid out alike run compiled), so ranks agree there too, apart from a ``DTensor`` mixed with plain or differently laid
+out tensors, which runs eager.
 """
 
 import torch
