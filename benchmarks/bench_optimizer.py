@@ -11,8 +11,9 @@
       in its batch-invariant chunks and in one call per block shape (what it did before; not batch-invariant);
     - the floor any exact NS5 has here in each dtype: its FLOPs at the matmul rate of the same block shapes in that
       dtype, measured in the run;
-    - the step's elementwise passes over one parameter (momentum, the Nesterov update in bf16, decay with the update;
-      ``kimi_k3/optim/elementwise.py``), eager against compiled, by parameter size: where the compiled loops pay.
+    - the step's elementwise passes over one parameter (momentum with the Nesterov update in bf16, then decay with
+      the update; ``kimi_k3/optim/elementwise.py``), eager against compiled, by parameter size: where the compiled
+      loops pay.
 (b) ``transformers.Trainer`` with PerHeadMuon and with the Trainer's AdamW for the same steps on byte-level text of
     Python's own documentation (``pydoc_data.topics``), same init and data order, printing the final eval losses.
     The learning rates were tuned once with ``--sweep`` at the defaults (final eval loss; best in brackets):
@@ -47,7 +48,7 @@ from kimi_k3.optim.muon import (  # noqa: E402
     split_row_blocks,
 )
 from kimi_k3.job.allocator import restart_under_tcmalloc  # noqa: E402
-from kimi_k3.optim.elementwise import COMPILED, advance_momentum_, decay_and_add_, nesterov_update  # noqa: E402
+from kimi_k3.optim.elementwise import COMPILED, decay_and_add_, momentum_and_nesterov_update_  # noqa: E402
 from kimi_k3.optim.newton_schulz import newton_schulz5_call  # noqa: E402
 from kimi_k3.optim.precision import cpu_has_native_bf16  # noqa: E402
 from modeling_kimi_k3 import KimiK3ForCausalLM  # noqa: E402
@@ -132,13 +133,13 @@ def block_matmul_probe(stacks: list[torch.Tensor], dtype: torch.dtype) -> tuple[
 
 
 def elementwise_passes(size: int, compiled: bool) -> Callable:
-    """The three elementwise passes of a Per-Head Muon step over one parameter of ``size`` elements."""
+    """The elementwise passes of a single-process Per-Head Muon step over one parameter of ``size`` elements."""
     buffer, grad, param = (torch.randn(size) for _ in range(3))
     call = (lambda function, *args: COMPILED[function](*args)) if compiled else (lambda function, *args: function(*args))
 
     def step():
-        call(advance_momentum_, buffer, grad, 0.95)
-        call(decay_and_add_, param, call(nesterov_update, grad, buffer, 0.95, torch.bfloat16), 1.0, -1e-9)
+        update = call(momentum_and_nesterov_update_, buffer, grad, 0.95, torch.bfloat16)
+        call(decay_and_add_, param, update, 1.0, -1e-9)
 
     return step
 
@@ -150,8 +151,9 @@ def elementwise_table(repeats: int, sizes=(2**14, 2**16, 2**17, 2**18, 2**19, 2*
                                     "compiled": elementwise_passes(size, True)}, repeats=repeats)
         rows.append({"elements": size, "eager µs": seconds["eager"] * 1e6, "compiled µs": seconds["compiled"] * 1e6,
                      "eager ÷ compiled": seconds["eager"] / seconds["compiled"]})
-    return {"caption": "Momentum, Nesterov update (bf16) and decay with the update over one parameter, eager and "
-                       "compiled (the step compiles them from kimi_k3.optim.elementwise.COMPILED_MIN_ELEMENTS).",
+    return {"caption": "Momentum with the Nesterov update (bf16), then decay with the update, over one parameter, "
+                       "eager and compiled (the step compiles them from "
+                       "kimi_k3.optim.elementwise.COMPILED_MIN_ELEMENTS).",
             "columns": ["elements", "eager µs", "compiled µs", "eager ÷ compiled"], "rows": rows}
 
 

@@ -40,10 +40,10 @@ class CompiledFunction:
     One instance per function keeps one compilation cache per process instead of one per layer. Inside an
     already-compiled region the eager function is traced into the outer graph instead, and under a ``TorchDispatchMode``
     (a FLOP counter, a recorder of operators) the eager function runs, so that the mode sees its operators: a compiled
-    call under a mode makes dynamo give up on the function for the rest of the process without an error (every later
-    call eager plus dynamo's overhead, 1.13x eager's time for a 2^21-element pass, torch 2.13). If compilation fails
-    (no C++ compiler for inductor's CPU code, no Triton on a GPU, a Python that dynamo does not support) the eager
-    function is used from then on, after one warning; the kernel's own runtime errors (e.g. out of memory) propagate.
+    call under a mode leaves the function slower than eager for the rest of the process, without an error (1.1-1.2x
+    eager's time for a 2^21-element pass, torch 2.13; benchmarks/README.md). If compilation fails (no C++ compiler for
+    inductor's CPU code, no Triton on a GPU, a Python that dynamo does not support) the eager function is used from
+    then on, after one warning; the kernel's own runtime errors (e.g. out of memory) propagate.
 
     ``differentiable=True`` is for a function called on tensors that require grad: AOTAutograd derives its backward,
     and compiles it with the forward (`backward_compiled_with_forward`), so that a backward that cannot be compiled

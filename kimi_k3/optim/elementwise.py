@@ -27,8 +27,8 @@ from torch.distributed.tensor import DTensor
 
 from kimi_k3.kernels.compiled import CompiledFunction
 
-# Elements from which the compiled loops beat eager's passes on a CPU: on 2 cores of an AVX-512 Xeon the three passes
-# of one parameter are even at 2^18 elements, 1.3x faster compiled at 2^19 and 2x at 2^21 (`benchmarks/
+# Elements from which the compiled loops beat eager's passes on a CPU: on 2 cores of an AVX-512 Xeon a single-process
+# step's two passes over one parameter are 0.92x eager at 2^17 elements, 1.4x at 2^18 and 3x at 2^21 (`benchmarks/
 # bench_optimizer.py`, last table); the default model's expert tensors (2^20-2^21) run compiled, its attention
 # projections (2^15-2^16) eager.
 COMPILED_MIN_ELEMENTS = 2**18
