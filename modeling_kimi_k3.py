@@ -385,10 +385,13 @@ def kda_intra_chunk_scores(q, k, gamma, sub_chunk_size: int) -> tuple[torch.Tens
 
 
 def _split_chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """[B, T, H, ...] -> [B, H, N, C, ...], zero-padding the tail to a whole chunk."""
+    """[B, T, H, ...] -> [B, H, N, C, ...], zero-padding the tail to a whole chunk; contiguous in that order, so the
+    chunk products below read their operands in place instead of copying each one first."""
     pad = (-x.shape[1]) % chunk_size
-    x = F.pad(x, (0, 0) * (x.ndim - 2) + (0, pad))
-    return x.transpose(1, 2).unflatten(2, (-1, chunk_size))
+    x = x.transpose(1, 2)
+    if pad:
+        x = F.pad(x, (0, 0) * (x.ndim - 3) + (0, pad))
+    return x.contiguous().unflatten(2, (-1, chunk_size))
 
 
 def chunk_kda(
@@ -441,8 +444,9 @@ def _chunk_kda(q, k, v, g, beta, initial_state, chunk_size: int, gate_lower_boun
         chunk_decay = chunk_decay * through_chunk[..., None]
     eye = torch.eye(chunk_size, dtype=q.dtype, device=q.device)
     lower = beta[..., None] * key_key
-    # T = (I + L)^-1 by forward substitution on the unit lower-triangular system.
-    transform = torch.linalg.solve_triangular(eye + lower, eye.expand_as(lower), upper=False, unitriangular=True)
+    # T = (I + L)^-1 by forward substitution on the unit lower-triangular system; ``unitriangular`` reads only the
+    # strictly lower part, L itself, and takes the unit diagonal as given.
+    transform = torch.linalg.solve_triangular(lower, eye.expand_as(lower), upper=False, unitriangular=True)
     u = transform @ (beta[..., None] * v)
     w = transform @ (beta[..., None] * k * decay)
     keys_to_end = keys_to_end.transpose(-1, -2)

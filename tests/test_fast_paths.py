@@ -59,6 +59,30 @@ def test_kda_layer_runs_the_sub_chunked_kernel_with_its_lower_bound(monkeypatch)
     assert used == [kda_sub_chunk_size(64, -5.0, torch.float32)] == [16]
 
 
+class CopyRecorder(TorchDispatchMode):
+    """Counts the ops that copy a tensor's elements into new memory."""
+
+    COPIES = {aten.clone, aten.copy_, aten.constant_pad_nd, aten._to_copy}
+
+    def __init__(self):
+        super().__init__()
+        self.copies = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.copies += func.overloadpacket in self.COPIES
+        return func(*args, **(kwargs or {}))
+
+
+def test_chunked_kda_copies_each_input_once_into_chunk_order():
+    """q, k, v, g and β are each copied (padded where the length needs it) once into contiguous [B, H, N, C, ...]
+    chunks; every product after that reads its operands in place (strided chunks made each product copy first)."""
+    for seq_len in (128, 77):  # whole chunks, a padded tail
+        q, k, v, g, beta = (torch.rand(2, seq_len, 3, *tail) for tail in ((16,), (16,), (8,), (16,), ()))
+        with CopyRecorder() as recorder:
+            modeling_kimi_k3.chunk_kda(q, k, v, -g, beta, chunk_size=32, gate_lower_bound=-5.0)
+        assert recorder.copies == 5, seq_len
+
+
 # ------------------------------------------------------------------------------------------------ host synchronisation
 class HostSyncRecorder(TorchDispatchMode):
     """Records ops whose result the host must read back (on a GPU, a wait for the device): `.item()`, `bool()`,
