@@ -318,20 +318,26 @@ def _shapes_only(args) -> list:
     return [_Shape(entry[1]) if entry[0] == "tensor" else entry[-1] for entry in args]
 
 
-def record_phase_matmuls(batch_size: int = JOB_BATCH[0], seq_len: int = JOB_BATCH[1]) -> dict[str, MatmulFloor]:
+def record_phase_matmuls(batch_size: int = JOB_BATCH[0], seq_len: int = JOB_BATCH[1],
+                         around: Callable[[torch.nn.Module], contextlib.AbstractContextManager] | None = None,
+                         ) -> dict[str, MatmulFloor]:
     """The matrix products of each phase of one job step (its second: the first allocates the optimizer state),
     taken from a step of its own with the eager references (neither SiTU-GLU nor AttnRes has a matrix product; the
-    compiled kernels would run eagerly under the recording mode anyway)."""
+    compiled kernels would run eagerly under the recording mode anyway); with ``around(model)`` entered for the
+    recorded step."""
     step = job_training_step(batch_size, seq_len, fused_kernels=False)
     step()
     recorders = {phase: MatmulRecorder() for phase in PHASES}
-    step(recorders)
+    with around(step.model) if around is not None else contextlib.nullcontext():
+        step(recorders)
     return {phase: MatmulFloor(recorder.calls) for phase, recorder in recorders.items()}
 
 
-def record_matmuls(batch_size: int = JOB_BATCH[0], seq_len: int = JOB_BATCH[1]) -> MatmulFloor:
+def record_matmuls(batch_size: int = JOB_BATCH[0], seq_len: int = JOB_BATCH[1],
+                   around: Callable[[torch.nn.Module], contextlib.AbstractContextManager] | None = None,
+                   ) -> MatmulFloor:
     """The matrix products of one whole job step (`record_phase_matmuls` together)."""
-    return MatmulFloor.together(record_phase_matmuls(batch_size, seq_len).values())
+    return MatmulFloor.together(record_phase_matmuls(batch_size, seq_len, around).values())
 
 
 def large_gemm_rate(dtype: torch.dtype = torch.float32, size: int = 1024) -> float:

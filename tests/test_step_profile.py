@@ -33,3 +33,28 @@ def test_each_phase_of_the_job_step_records_its_own_products():
     whole = record_matmuls(batch_size=1, seq_len=16)
     assert whole.count == sum(floor.count for floor in phases.values())
     assert whole.flops == sum(floor.flops for floor in phases.values())
+
+
+def test_each_stand_in_of_the_step_bounds_replaces_its_component_and_gives_it_back():
+    """benchmarks/step_bounds.py: under a stand-in the component's reference does not run, every parameter that had a
+    gradient still gets one (the optimizer's work is unchanged), and afterwards the model computes what it did."""
+    import modeling_kimi_k3
+    from benchmarks.step_bounds import STAND_INS
+    from tests.conftest import tiny_config
+
+    model = modeling_kimi_k3.KimiK3ForCausalLM(tiny_config()).train()
+    ids = torch.randint(3, model.config.vocab_size, (2, 20))
+
+    def loss_and_graded():
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {name for name, parameter in model.named_parameters() if parameter.grad is not None}
+
+    reference, graded = loss_and_graded()
+    for name, stand_in in STAND_INS.items():
+        with stand_in(model):
+            replaced, graded_under_stand_in = loss_and_graded()
+        assert not torch.equal(replaced, reference), name
+        assert graded_under_stand_in == graded, name
+        assert torch.equal(loss_and_graded()[0], reference), name
