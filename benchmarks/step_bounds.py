@@ -52,16 +52,20 @@ def _module_function(model: nn.Module, name: str, replacement: Callable) -> Iter
 
 @contextlib.contextmanager
 def _instance_forwards(modules: list[nn.Module], replacement: Callable[[nn.Module], Callable]) -> Iterator[None]:
+    previous = [module.__dict__.get("forward") for module in modules]
     for module in modules:
         module.forward = replacement(module)
     try:
         yield
     finally:
-        for module in modules:
+        for module, forward in zip(modules, previous):
             del module.forward
+            if forward is not None:
+                module.forward = forward
 
 
 def _kda_stand_in(q, k, v, g, beta, initial_state=None, **_):
+    """Needs key and value heads of one width, as the default model's."""
     state = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3])
     return v * beta[..., None] + (q + k) * g, state
 
