@@ -19,6 +19,7 @@ Second table: the step and its matmul floor (`step_profile.MatmulFloor`) at 1, 2
 step. Were the time outside the products a fixed cost per operator call, the ratio would fall as the batch grows.
 
     python benchmarks/step_bounds.py
+    python benchmarks/step_bounds.py --quick     # one repetition, the first table only (a smoke run)
 """
 
 import contextlib
@@ -163,7 +164,8 @@ def run(repeats: int = 3, scale: bool = True) -> dict:
 
 def main() -> None:
     args = bench_arguments(__doc__)
-    report("step_bounds", run(repeats=args.repeats or 3, scale=not args.quick), args.json)
+    repeats = args.repeats or (1 if args.quick else 3)
+    report("step_bounds", run(repeats=repeats, scale=not args.quick), args.json)
 
 
 if __name__ == "__main__":
