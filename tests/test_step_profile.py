@@ -35,12 +35,26 @@ def test_each_phase_of_the_job_step_records_its_own_products():
     assert whole.flops == sum(floor.flops for floor in phases.values())
 
 
-def test_each_stand_in_of_the_step_bounds_replaces_its_component_and_gives_it_back():
-    """benchmarks/step_bounds.py: under a stand-in the component's reference does not run, every parameter that had a
-    gradient still gets one (the optimizer's work is unchanged), and afterwards the model computes what it did."""
+def test_each_stand_in_of_the_step_bounds_replaces_its_component_and_gives_it_back(monkeypatch):
+    """benchmarks/step_bounds.py: under a stand-in the component's reference runs for none of the modules it stands in
+    for, the loss changes, every parameter that had a gradient still gets one (the optimizer's work is unchanged), and
+    afterwards the model computes what it did."""
     import modeling_kimi_k3
     from benchmarks.step_bounds import STAND_INS
     from tests.conftest import tiny_config
+
+    references = {"KDA chunk kernel": (modeling_kimi_k3, "chunk_kda"),
+                  "SiTU-GLU": (modeling_kimi_k3, "situ_and_mul"),
+                  "short convolutions": (modeling_kimi_k3.KimiK3ShortConvolution, "forward"),
+                  "RMSNorm outside AttnRes": (modeling_kimi_k3.KimiK3RMSNorm, "forward")}
+    assert references.keys() == STAND_INS.keys()
+    calls = {name: [] for name in references}
+    for name, (owner, attribute) in references.items():
+        def recording(*args, reference=getattr(owner, attribute), name=name, **kwargs):
+            calls[name].append(args[0])  # the module, for a forward
+            return reference(*args, **kwargs)
+
+        monkeypatch.setattr(owner, attribute, recording)
 
     model = modeling_kimi_k3.KimiK3ForCausalLM(tiny_config()).train()
     ids = torch.randint(3, model.config.vocab_size, (2, 20))
@@ -52,9 +66,16 @@ def test_each_stand_in_of_the_step_bounds_replaces_its_component_and_gives_it_ba
         return loss.detach(), {name for name, parameter in model.named_parameters() if parameter.grad is not None}
 
     reference, graded = loss_and_graded()
+    assert all(calls.values())
     for name, stand_in in STAND_INS.items():
+        calls[name].clear()
         with stand_in(model):
+            replaced_modules = [module for module in model.modules() if "forward" in vars(module)]
             replaced, graded_under_stand_in = loss_and_graded()
+        if references[name][1] == "forward":
+            assert replaced_modules and not any(any(m is r for r in replaced_modules) for m in calls[name]), name
+        else:
+            assert not calls[name], name
         assert not torch.equal(replaced, reference), name
         assert graded_under_stand_in == graded, name
         assert torch.equal(loss_and_graded()[0], reference), name

@@ -58,10 +58,17 @@ def decay_and_add_(param: torch.Tensor, update: torch.Tensor, decay: float, alph
 
 
 _HINT = "Per-Head Muon then runs its elementwise passes eagerly, with the same results"
-COMPILED = {
-    function: CompiledFunction(function, skip_hint=_HINT, options={"emulate_precision_casts": True})
-    for function in (advance_momentum_, nesterov_update, momentum_and_nesterov_update_, decay_and_add_)
-}
+
+
+def compiled_passes() -> dict:
+    """A `CompiledFunction` of each pass, by pass: every one keeps its own compilation (or failure)."""
+    return {
+        function: CompiledFunction(function, skip_hint=_HINT, options={"emulate_precision_casts": True})
+        for function in (advance_momentum_, nesterov_update, momentum_and_nesterov_update_, decay_and_add_)
+    }
+
+
+COMPILED = compiled_passes()
 
 
 def run(function, *args):
