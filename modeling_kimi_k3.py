@@ -161,14 +161,16 @@ class KimiK3GatedRMSNorm(KeepsFloat32Tensors):
         return (upcast(self.weight) * hidden_states * torch.sigmoid(upcast(gate))).to(input_dtype)
 
 
-def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None,
+                 tanh: Callable[[torch.Tensor], torch.Tensor] = torch.tanh) -> torch.Tensor:
     """SiTU-GLU: β₁·tanh(g/β₁)·σ(g) · β₂·tanh(u/β₂), in fp32 (K3 report Eq. 12); |out| <= β₁β₂.
 
-    ``linear_beta=None`` leaves the up branch uncapped, as the released code does when the field is missing.
+    ``linear_beta=None`` leaves the up branch uncapped, as the released code does when the field is missing. ``tanh``
+    evaluates the caps: a compiled training kernel passes one its compiler makes fast code of.
     """
     gate, up, dtype = upcast(gate), upcast(up), gate.dtype
-    activated_gate = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
-    capped_up = up if linear_beta is None else linear_beta * torch.tanh(up / linear_beta)
+    activated_gate = beta * tanh(gate / beta) * torch.sigmoid(gate)
+    capped_up = up if linear_beta is None else linear_beta * tanh(up / linear_beta)
     return (activated_gate * capped_up).to(dtype)
 
 

@@ -4,7 +4,7 @@ expert intermediate 384, so [65,536, 768] for [gate ‖ up]).
 Candidates, timed interleaved, forward and forward+backward:
 - eager: `situ_glu`, a dozen elementwise passes each way (the reference);
 - fused: `fused_situ_glu`, what training uses (`FusedSiTUGLU`: a compiled forward that keeps its input and a compiled
-  backward, the `torch.func.vjp` of the reference, that evaluates the derivatives again);
+  backward that evaluates the derivatives again, tanh from ``exp`` in both);
 - autograd-compiled: `torch.compile(situ_glu)`, inductor deriving the backward itself through AOTAutograd; its
   compilation failures surface inside `loss.backward()`, where nothing can fall back, so the model does not use it.
   It runs under the same cache guard as the fused kernels (`compiled_for_these_kernels`): under
@@ -12,7 +12,9 @@ Candidates, timed interleaved, forward and forward+backward:
 - SiLU·up: transformers' experts activation, the cost SiTU-GLU is compared with.
 
 Then eager against fused by activation size, from the default training step's activations up to the K3 experts' at
-512 tokens: where the compiled pair starts to pay on this CPU, and which one the model's attachment runs there.
+512 tokens: where the compiled pair starts to pay on this CPU, and which one the model's attachment runs there. Last,
+tanh alone at the routed experts' size of the default training step: eager ``torch.tanh``, ``torch.tanh`` as inductor
+compiles it, and the kernels' `tanh_from_exp` compiled.
 
 Compilation happens in the warm-up round and is not timed.
 
@@ -29,7 +31,8 @@ from benchmarks.common import bench_arguments, compiled_for_these_kernels, repor
 from benchmarks.bench_moe import INTERMEDIATE  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from kimi_k3.kernels.fused_situ import fused_min_elements, fused_situ_glu, situ_glu  # noqa: E402
+from kimi_k3.kernels.compiled import CompiledFunction  # noqa: E402
+from kimi_k3.kernels.fused_situ import fused_min_elements, fused_situ_glu, situ_glu, tanh_from_exp  # noqa: E402
 
 BETA, LINEAR_BETA = 4.0, 25.0  # the release's activation_situ_beta / activation_situ_linear_beta
 
@@ -73,6 +76,7 @@ def run(quick: bool = False, repeats: int | None = None) -> dict:
         for name in candidates
     ]
     by_size = by_activation_size(SIZES_QUICK if quick else SIZES, repeats)
+    tanh_rows = tanh_candidates(repeats)
     return {
         "title": f"SiTU-GLU on [{rows:,}, {2 * INTERMEDIATE}] (fp32, K3 experts' activation)",
         "tables": [
@@ -80,6 +84,8 @@ def run(quick: bool = False, repeats: int | None = None) -> dict:
             {"caption": "By activation size: eager against fused, forward+backward, and which one the model's "
                         "attachment runs on this CPU (`fused_min_elements`).",
              "columns": list(by_size[0]), "rows": by_size},
+            {"caption": "tanh on [4,096, 128] (fp32): eager, and compiled by inductor as written or as the kernels "
+                        "write it.", "columns": list(tanh_rows[0]), "rows": tanh_rows},
         ],
         "notes": ["fwd: on an input without grad, as in inference; fwd+bwd: with the input gradient, as in training."],
     }
@@ -108,6 +114,24 @@ def by_activation_size(sizes, repeats: int) -> list[dict]:
             "the model runs": "fused" if outputs >= fused_min_elements("cpu") else "eager",
         })
     return rows
+
+
+def inductors_tanh(x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x)
+
+
+def tanh_candidates(repeats: int) -> list[dict]:
+    """tanh of the routed experts' up half in the default training step, each way, with its speed against eager."""
+    x = torch.randn(4096, 128, generator=torch.Generator().manual_seed(2)) * 4
+    candidates = {
+        "torch.tanh, eager": torch.tanh,
+        "torch.tanh, compiled": CompiledFunction(inductors_tanh, static_widths=True),
+        "tanh_from_exp, compiled (the kernels)": CompiledFunction(tanh_from_exp, static_widths=True),
+    }
+    seconds = time_interleaved({name: lambda f=function: f(x) for name, function in candidates.items()},
+                               repeats=repeats, warmup=1)
+    eager = seconds["torch.tanh, eager"]
+    return [{"tanh": name, "µs": 1e6 * seconds[name], "speed vs eager": eager / seconds[name]} for name in candidates]
 
 
 def main() -> None:

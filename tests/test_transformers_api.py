@@ -204,6 +204,11 @@ BORROWED_API = [
                 "kimi_k3.kernels.compiled.backward_compiled_with_forward: a differentiable kernel's backward is compiled "
                 "in its forward call, so a backward that cannot be compiled falls back to the eager function there",
                 lambda: hasattr(importlib.import_module("torch._functorch.config"), "force_non_lazy_backward_lowering")),
+    # torch.compile marks dims dynamic per tensor only through dynamo's own functions (its dynamic-shapes docs).
+    BorrowedApi("torch._dynamo.maybe_mark_dynamic",
+                "kimi_k3.kernels.compiled.leading_dims_dynamic: the SiTU-GLU kernels compile once per model width, "
+                "with the width a constant, for every row count",
+                lambda: parameters(importlib.import_module("torch._dynamo").maybe_mark_dynamic) == ["t", "index"]),
     # inductor keeps 16-bit intermediates in fp32 unless told to round them as eager does.
     BorrowedApi("torch.compile(options={'emulate_precision_casts': True})",
                 "kimi_k3.optim.elementwise: Per-Head Muon's compiled passes round a bf16 parameter's momentum and "

@@ -2,13 +2,18 @@
 
 The model computes SiTU-GLU with its eager reference (`modeling_kimi_k3.situ_and_mul`), so a folder loaded with
 ``trust_remote_code`` alone trains, with the same results up to rounding. Eager SiTU-GLU is a dozen memory-bound
-elementwise passes forward and backward; here each direction is one compiled loop over the elements. The forward writes
-the output and keeps the inputs; the backward is the compiled ``torch.func.vjp`` of the reference, which inductor turns
-into one loop that evaluates tanh, sigmoid and tanh again and writes both input gradients. `use_fused_situ(model)` swaps
-this in at the model's activation seam, every ``KimiK3GLUActivation``, the way transformers' kernel hub (``kernelize``)
-replaces the forward of a layer that keeps its torch reference as the body. The routed experts hand their activation
-the concatenated ``[gate ‖ up]``: the kernels read its two halves in place, and the backward writes the gradient in
-that layout.
+elementwise passes forward and backward; here each direction is one compiled loop over the elements. The forward is
+the reference compiled, writes the output and keeps the inputs; the backward evaluates tanh, sigmoid and tanh again
+from them and writes both input gradients from the derivative (`situ_and_mul_gradients`), which is what autograd
+computes through the reference, in one loop. `use_fused_situ(model)` swaps this in at the model's activation seam,
+every ``KimiK3GLUActivation``, the way transformers' kernel hub (``kernelize``) replaces the forward of a layer that
+keeps its torch reference as the body. The routed experts hand their activation the concatenated ``[gate ‖ up]``: the
+kernels read its two halves in place, and the backward writes the gradient in that layout.
+
+Inside the compiled loops tanh comes from ``exp`` (`tanh_from_exp`): inductor's CPU code evaluates ``tanh`` with
+SLEEF's 1-ulp ``tanhf`` (torch 2.13), 5-6x slower per element than eager ``torch.tanh`` on 2 cores of a Xeon
+(`benchmarks/bench_situ.py`, "tanh"), slow enough that the fused pair lost to eager's dozen passes at the default
+model's sizes; with ``exp``, which it vectorises fast, the pair is one pass each way at the speed of memory.
 """
 
 from dataclasses import dataclass, field, fields
@@ -21,7 +26,7 @@ from torch.autograd.function import once_differentiable
 from kimi_k3.attachments.handle import Attachment, undone_on_failure
 from kimi_k3.attachments.seams import find_situ_activations
 from kimi_k3.kernels.compiled import CompiledFunction, isa_safe_compile_caches
-from modeling_kimi_k3 import situ_and_mul
+from modeling_kimi_k3 import situ_and_mul, upcast
 
 __all__ = [
     "SHARED_KERNELS", "SiTUKernels", "fused_min_elements", "use_fused_situ", "fused_situ_glu", "fused_situ_and_mul",
@@ -31,9 +36,11 @@ __all__ = [
 # The smallest activation (elements of its output) worth the compiled kernels, by where they run. On a CPU the pair
 # evaluates the transcendentals twice (forward, then again in the backward), which below these sizes costs more than
 # eager's dozen passes over tensors that stay in cache, and compiling it costs seconds per process; the crossover
-# follows the vector width (`benchmarks/bench_situ.py`, "by activation size"). Elsewhere a launch is what it saves.
-FUSED_MIN_ELEMENTS_AVX512 = 2**20
-FUSED_MIN_ELEMENTS_AVX2_OR_NARROWER = 2**21
+# follows the vector width (`benchmarks/bench_situ.py`, "by activation size": on 2 cores of a Xeon, fused 1.17x eager
+# at 2^17 outputs and 1.8x at 2^19 with AVX-512 kernels, 0.96x at 2^18 and 1.3x at 2^19 with AVX2 ones). Elsewhere a
+# launch is what it saves.
+FUSED_MIN_ELEMENTS_AVX512 = 2**17
+FUSED_MIN_ELEMENTS_AVX2_OR_NARROWER = 2**19
 FUSED_MIN_ELEMENTS_ACCELERATOR = 2**17
 
 
@@ -47,26 +54,76 @@ def fused_min_elements(device_type: str) -> int:
     return FUSED_MIN_ELEMENTS_AVX2_OR_NARROWER
 
 
+# Maclaurin coefficients of tanh, x to x¹³: below |x| = 1/4 the first omitted term is under 10⁻¹¹ of the result.
+TANH_SERIES = (1.0, -1 / 3, 2 / 15, -17 / 315, 62 / 2835, -1382 / 155925, 21844 / 6081075)
+TANH_SERIES_BELOW = 0.25
+
+
+def tanh_from_exp(x: torch.Tensor) -> torch.Tensor:
+    """tanh(x) from one ``exp``, for float32 (and narrower, computed in it): ``(1 - e)/(1 + e)`` with ``e = exp(-2|x|)``,
+    the sign of ``x``; below |x| = 1/4, where ``1 - e`` would cancel, its Maclaurin series. Within 2 ulps of tanh
+    over the float32 range (`tests/kernels/test_fused_situ.py`); ±inf give ±1 and NaN stays NaN."""
+    magnitude = x.abs()
+    e = torch.exp(-2 * magnitude)
+    from_exp = torch.copysign((1 - e) / (1 + e), x)
+    square = x * x
+    series = TANH_SERIES[-1]
+    for coefficient in reversed(TANH_SERIES[:-1]):
+        series = series * square + coefficient
+    return torch.where(magnitude < TANH_SERIES_BELOW, x * series, from_exp)
+
+
+def kernel_tanh(x: torch.Tensor) -> torch.Tensor:
+    """The tanh of the kernels: `tanh_from_exp` where inductor compiles them (float32 and narrower), ``torch.tanh``
+    where they run eagerly (a compiler failure, a dispatch mode, float64 references), which is faster there and
+    exact."""
+    if torch.compiler.is_compiling() and x.dtype != torch.float64:
+        return tanh_from_exp(x)
+    return torch.tanh(x)
+
+
+def situ_output(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """The forward kernel: the reference with the kernels' tanh."""
+    return situ_and_mul(gate, up, beta, linear_beta, tanh=kernel_tanh)
+
+
 def situ_glu(gate_up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
     """SiTU-GLU of ``[gate ‖ up]`` concatenated on the last dim, gate first (the experts' fused layout)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return situ_and_mul(gate, up, beta, linear_beta)
 
 
+def situ_glu_output(gate_up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """The forward kernel of the concatenated layout."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return situ_output(gate, up, beta, linear_beta)
+
+
 def situ_and_mul_gradients(gate: torch.Tensor, up: torch.Tensor, grad_output: torch.Tensor, beta: float,
                            linear_beta: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Autograd's gradients of `situ_and_mul` for ``gate`` and ``up``, through ``torch.func.vjp``: compiled, the
-    reference's forward and backward are one graph, and inductor makes one loop of it (a hand-written derivative
-    formula left tanh and sigmoid in loops of their own)."""
-    _, vjp = torch.func.vjp(partial(situ_and_mul, beta=beta, linear_beta=linear_beta), gate, up)
-    return vjp(grad_output)
+    """The gradients of `situ_and_mul` for ``gate`` and ``up``, in fp32 as the reference, in their dtype.
+
+    With t₁ = tanh(g/β₁), s = σ(g), a = β₁t₁s and c = β₂tanh(u/β₂) (c = u uncapped), out = a·c, so
+    ∂out/∂g = c·((1 - t₁²)s + a(1 - s)) and ∂out/∂u = a(1 - tanh²(u/β₂)) (a uncapped): autograd's products through
+    the reference (``tanh_backward``, ``sigmoid_backward``), written out so that inductor makes one loop of them."""
+    dtype = gate.dtype
+    gate, up, grad_output = upcast(gate), upcast(up), upcast(grad_output)
+    capped_gate, sigmoid = kernel_tanh(gate / beta), torch.sigmoid(gate)
+    activated_gate = beta * capped_gate * sigmoid
+    gate_slope = (1 - capped_gate * capped_gate) * sigmoid + activated_gate * (1 - sigmoid)
+    if linear_beta is None:
+        capped_up, up_slope = up, 1.0
+    else:
+        capped_up = kernel_tanh(up / linear_beta)
+        capped_up, up_slope = linear_beta * capped_up, 1 - capped_up * capped_up
+    return (grad_output * capped_up * gate_slope).to(dtype), (grad_output * activated_gate * up_slope).to(dtype)
 
 
 def situ_glu_gradient(gate_up: torch.Tensor, grad_output: torch.Tensor, beta: float,
                       linear_beta: float | None) -> torch.Tensor:
     """The same for `situ_glu`: the gradient of ``[gate ‖ up]``, written in that layout by the same loop."""
-    _, vjp = torch.func.vjp(partial(situ_glu, beta=beta, linear_beta=linear_beta), gate_up)
-    return vjp(grad_output)[0]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.cat(situ_and_mul_gradients(gate, up, grad_output, beta, linear_beta), dim=-1)
 
 
 @dataclass
@@ -78,10 +135,13 @@ class SiTUKernels:
     cache per process; pass another set to `use_fused_situ` to keep its compilation (or its failure) apart.
     """
 
-    output: CompiledFunction = field(default_factory=lambda: CompiledFunction(situ_and_mul))
-    concatenated_output: CompiledFunction = field(default_factory=lambda: CompiledFunction(situ_glu))
-    gradients: CompiledFunction = field(default_factory=lambda: CompiledFunction(situ_and_mul_gradients))
-    concatenated_gradient: CompiledFunction = field(default_factory=lambda: CompiledFunction(situ_glu_gradient))
+    output: CompiledFunction = field(default_factory=lambda: CompiledFunction(situ_output, static_widths=True))
+    concatenated_output: CompiledFunction = field(
+        default_factory=lambda: CompiledFunction(situ_glu_output, static_widths=True))
+    gradients: CompiledFunction = field(
+        default_factory=lambda: CompiledFunction(situ_and_mul_gradients, static_widths=True))
+    concatenated_gradient: CompiledFunction = field(
+        default_factory=lambda: CompiledFunction(situ_glu_gradient, static_widths=True))
 
     def all(self) -> tuple[CompiledFunction, ...]:
         return tuple(getattr(self, kernel.name) for kernel in fields(self))

@@ -21,7 +21,9 @@ from kimi_k3.kernels.fused_situ import (
     fused_min_elements,
     fused_situ_and_mul,
     fused_situ_glu,
+    kernel_tanh,
     situ_glu,
+    tanh_from_exp,
     use_fused_situ,
 )
 from modeling_kimi_k3 import KimiK3GLUActivation, KimiK3SparseMoeBlock, situ_and_mul
@@ -38,6 +40,68 @@ def value_and_grad(function, gate_up: torch.Tensor, linear_beta: float | None, c
     out = function(gate_up, 4.0, linear_beta) if concatenated else function(*gate_up.chunk(2, -1), 4.0, linear_beta)
     (grad,) = torch.autograd.grad(out, gate_up, torch.randn_like(out, generator=torch.Generator().manual_seed(1)))
     return out, grad
+
+
+def tanh_arguments() -> torch.Tensor:
+    """float32 values across tanh's range: both signs, 10⁻³⁰ to 100 on a log scale (the series, the crossover at 1/4
+    and the exp form), normal draws, zeros, infinities and the smallest subnormal."""
+    magnitudes = torch.logspace(-30, 2, 200_001, dtype=torch.float64)
+    special = torch.tensor([0.0, -0.0, 0.25, -0.25, float("inf"), -float("inf"), 1e-45, -1e-45], dtype=torch.float64)
+    normal = torch.randn(100_000, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 4
+    return torch.cat([magnitudes, -magnitudes, special, normal]).float()
+
+
+def assert_tanh_within_two_epsilons(values: torch.Tensor, x: torch.Tensor) -> None:
+    exact = torch.tanh(x.double())
+    error = (values.double() - exact).abs()
+    bound = 2 * torch.finfo(torch.float32).eps * exact.abs()
+    assert bool((error <= bound).all()), f"worst x {x[(error - bound).argmax()].item()!r}: error {error.max().item():.3g}"
+    assert torch.equal(torch.signbit(values), torch.signbit(exact))  # odd, signed zeros included
+
+
+def test_tanh_from_exp_is_within_two_float32_epsilons_of_tanh_over_its_range():
+    """The formula eager and as inductor compiles it (its own exp, its own order): relative error ≤ 2⁻²² everywhere,
+    exact signs and zeros, ±1 at ±inf, NaN kept."""
+    x = tanh_arguments()
+    compiled_formula = CompiledFunction(tanh_from_exp, static_widths=True)
+    for values in (tanh_from_exp(x), compiled_formula(x)):
+        assert_tanh_within_two_epsilons(values, x)
+    assert not compiled_formula.failed
+    assert tanh_from_exp(torch.tensor([float("nan")])).isnan().all()
+
+
+def test_the_kernels_tanh_is_torchs_outside_compilation_and_the_formula_inside(monkeypatch):
+    """Eager (a compiler failure, a dispatch mode, float64 references) the kernels keep torch.tanh, faster there and
+    exact; compiled they take `tanh_from_exp`, except in float64, where the series would not be exact enough."""
+    x = tanh_arguments()
+    assert torch.equal(kernel_tanh(x), torch.tanh(x))
+    traced = []
+    monkeypatch.setattr(fused_situ, "tanh_from_exp", lambda t: traced.append(t.dtype) or torch.tanh(t))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    kernel_tanh(x), kernel_tanh(x.double())
+    assert traced == [torch.float32]
+
+
+def test_static_widths_compile_once_per_width_with_the_leading_dims_dynamic():
+    """``static_widths=True``: rows of any count reuse one compilation per last-dim size, whose graph has that size as
+    a constant and the row count symbolic (inductor's loops over a symbolic innermost size ran 1.3-1.5x slower)."""
+    graphs = []
+
+    def recording_backend(graph_module, example_inputs):
+        placeholders = [node.meta["example_value"] for node in graph_module.graph.nodes if node.op == "placeholder"]
+        graphs.append([tuple(value.shape) for value in placeholders if isinstance(value, torch.Tensor)])
+        return graph_module.forward
+
+    def scaled(x):  # a new code object: nothing cached to reuse
+        return x * 2
+
+    kernel = CompiledFunction(scaled, backend=recording_backend, static_widths=True)
+    for shape in ((37, 24), (301, 24), (3, 5, 24), (7, 9, 24), (37, 40), (12, 40)):
+        x = torch.randn(shape)
+        torch.testing.assert_close(kernel(x), x * 2)
+    assert len(graphs) == 3, graphs  # width 24 in 2-D, width 24 in 3-D, width 40
+    for (shape,) in graphs:
+        assert isinstance(shape[-1], int) and all(isinstance(size, torch.SymInt) for size in shape[:-1]), shape
 
 
 @pytest.mark.parametrize("linear_beta", [25.0, None])
@@ -157,9 +221,9 @@ def test_fused_situ_is_not_used_for_inference_small_activations_or_after_removal
 
 
 def test_the_default_size_from_which_situ_runs_compiled_follows_the_cpus_vector_kernels(monkeypatch):
-    """Where the compiled pair starts to beat eager SiTU-GLU depends on the vector width: 2²⁰ outputs with AVX-512
-    kernels, 2²¹ with AVX2 or narrower; off the CPU, any activation worth a launch."""
-    for capability, expected in (("AVX512", 2**20), ("AVX2", 2**21), ("DEFAULT", 2**21)):
+    """Where the compiled pair starts to beat eager SiTU-GLU depends on the vector width: 2¹⁷ outputs with AVX-512
+    kernels, 2¹⁹ with AVX2 or narrower; off the CPU, any activation worth a launch."""
+    for capability, expected in (("AVX512", 2**17), ("AVX2", 2**19), ("DEFAULT", 2**19)):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
         assert fused_min_elements("cpu") == expected
     assert fused_min_elements("cuda") == 2**17
@@ -180,8 +244,10 @@ def test_the_size_counts_outputs_in_both_layouts_and_one_row_less_runs_eagerly(m
     assert [spy.calls for spy in spies] == [1, 1]
 
 
-def test_the_size_is_the_one_of_the_activations_own_device():
-    """An activation off the CPU (here on the meta device) fuses from its device's size, not from the CPU's."""
+def test_the_size_is_the_one_of_the_activations_own_device(monkeypatch):
+    """An activation off the CPU (here on the meta device) fuses from its device's size, not from the CPU's (with
+    AVX2 kernels, where the two differ)."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     outputs = fused_min_elements("meta")
     assert outputs < fused_min_elements("cpu")
     on_meta, on_cpu = (torch.empty(outputs // 64, 64, device=device, requires_grad=True) for device in ("meta", "cpu"))
