@@ -10,7 +10,7 @@ its own matmul floor, recorded with the stand-in in place: the KDA stand-in also
 
 - **KDA chunk kernel**: ``chunk_kda`` (the chunked delta rule: intra-chunk scores, the triangular solve, the chunk
   loop) becomes ``v·β + (q + k)·g`` and a zero state.
-- **SiTU-GLU**: ``situ_and_mul`` becomes ``gate·up``.
+- **SiTU-GLU**: every GLU activation module, the fused kernels the job attaches included, returns ``gate·up``.
 - **short convolutions**: each KDA short convolution + SiLU becomes ``x·w`` (its last tap).
 - **RMSNorm outside AttnRes**: the layers' input and post-attention norms, the latent-MoE norm, MLA's two latent norms
   and the final norm become ``x·weight`` (the Block AttnRes norms run inside its fused mix and stay).
@@ -71,7 +71,9 @@ def _kda_stand_in(q, k, v, g, beta, initial_state=None, **_):
     return v * beta[..., None] + (q + k) * g, state
 
 
-def _situ_stand_in(gate, up, beta, linear_beta):
+def _situ_stand_in(gate, up=None):
+    if up is None:  # the routed experts' concatenated [gate ‖ up]
+        gate, up = gate.chunk(2, dim=-1)
     return gate * up
 
 
@@ -85,7 +87,7 @@ def kda_chunk_free(model: nn.Module) -> contextlib.AbstractContextManager:
 
 
 def situ_free(model: nn.Module) -> contextlib.AbstractContextManager:
-    return _module_function(model, "situ_and_mul", _situ_stand_in)
+    return _instance_forwards(_modules_named(model, "KimiK3GLUActivation"), lambda activation: _situ_stand_in)
 
 
 def short_convolutions_free(model: nn.Module) -> contextlib.AbstractContextManager:

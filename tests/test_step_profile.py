@@ -41,10 +41,11 @@ def test_each_stand_in_of_the_step_bounds_replaces_its_component_and_gives_it_ba
     afterwards the model computes what it did."""
     import modeling_kimi_k3
     from benchmarks.step_bounds import STAND_INS
+    from kimi_k3.kernels import fused_situ
     from tests.conftest import tiny_config
 
     references = {"KDA chunk kernel": (modeling_kimi_k3, "chunk_kda"),
-                  "SiTU-GLU": (modeling_kimi_k3, "situ_and_mul"),
+                  "SiTU-GLU": (modeling_kimi_k3.KimiK3GLUActivation, "forward"),
                   "short convolutions": (modeling_kimi_k3.KimiK3ShortConvolution, "forward"),
                   "RMSNorm outside AttnRes": (modeling_kimi_k3.KimiK3RMSNorm, "forward")}
     assert references.keys() == STAND_INS.keys()
@@ -56,7 +57,15 @@ def test_each_stand_in_of_the_step_bounds_replaces_its_component_and_gives_it_ba
 
         monkeypatch.setattr(owner, attribute, recording)
 
+    # The fused SiTU-GLU forward, as the job attaches it (eager kernels: what runs is the point, not compilation).
+    monkeypatch.setattr(fused_situ, "fused_activation_forward",
+                        lambda module, *args, forward=fused_situ.fused_activation_forward:
+                        calls["SiTU-GLU"].append(module) or forward(module, *args))
     model = modeling_kimi_k3.KimiK3ForCausalLM(tiny_config()).train()
+    eager_kernels = fused_situ.SiTUKernels()
+    for kernel in eager_kernels.all():
+        kernel.failed = True
+    fused_situ.use_fused_situ(model, min_elements=1, kernels=eager_kernels)
     ids = torch.randint(3, model.config.vocab_size, (2, 20))
 
     def loss_and_graded():
