@@ -11,9 +11,10 @@ keeps its torch reference as the body. The routed experts hand their activation 
 kernels read its two halves in place, and the backward writes the gradient in that layout.
 
 Inside the compiled loops tanh comes from ``exp`` (`tanh_from_exp`): inductor's CPU code evaluates ``tanh`` with
-SLEEF's 1-ulp ``tanhf`` (torch 2.13), 5-6x slower per element than eager ``torch.tanh`` on 2 cores of a Xeon
-(`benchmarks/bench_situ.py`, "tanh"), slow enough that the fused pair lost to eager's dozen passes at the default
-model's sizes; with ``exp``, which it vectorises fast, the pair is one pass each way at the speed of memory.
+SLEEF's 1-ulp ``tanhf`` (torch 2.13), 6-9x slower per element than eager ``torch.tanh`` on 2 cores of a Xeon with
+AVX-512 and AVX2 kernels (`benchmarks/bench_situ.py`, "tanh"), slow enough that the fused pair lost to eager's dozen
+passes at the default model's sizes; with ``exp``, which it vectorises well, the pair beats them from about 2^17
+outputs.
 """
 
 from dataclasses import dataclass, field, fields
@@ -61,8 +62,8 @@ TANH_SERIES_BELOW = 0.25
 
 def tanh_from_exp(x: torch.Tensor) -> torch.Tensor:
     """tanh(x) from one ``exp``, for float32 (and narrower, computed in it): ``(1 - e)/(1 + e)`` with ``e = exp(-2|x|)``,
-    the sign of ``x``; below |x| = 1/4, where ``1 - e`` would cancel, its Maclaurin series. Within 2 ulps of tanh
-    over the float32 range (`tests/kernels/test_fused_situ.py`); ±inf give ±1 and NaN stays NaN."""
+    the sign of ``x``; below |x| = 1/4, where ``1 - e`` would cancel, its Maclaurin series. Relative error within 2
+    float32 epsilons over the float32 range (`tests/kernels/test_fused_situ.py`); ±inf give ±1 and NaN stays NaN."""
     magnitude = x.abs()
     e = torch.exp(-2 * magnitude)
     from_exp = torch.copysign((1 - e) / (1 + e), x)
