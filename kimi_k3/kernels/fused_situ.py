@@ -61,9 +61,10 @@ TANH_SERIES_BELOW = 0.25
 
 
 def tanh_from_exp(x: torch.Tensor) -> torch.Tensor:
-    """tanh(x) from one ``exp``, for float32 (and narrower, computed in it): ``(1 - e)/(1 + e)`` with ``e = exp(-2|x|)``,
-    the sign of ``x``; below |x| = 1/4, where ``1 - e`` would cancel, its Maclaurin series. Relative error within 2
-    float32 epsilons over the float32 range (`tests/kernels/test_fused_situ.py`); ±inf give ±1 and NaN stays NaN."""
+    """tanh(x) from one ``exp``, for float32 (and narrower, computed in it): ``(1 - e)/(1 + e)`` with
+    ``e = exp(-2|x|)``, the sign of ``x``; below |x| = 1/4, where ``1 - e`` would cancel, its Maclaurin series.
+    Relative error within 2 float32 epsilons over the float32 range (`tests/kernels/test_fused_situ.py`); ±inf give
+    ±1 and NaN stays NaN."""
     magnitude = x.abs()
     e = torch.exp(-2 * magnitude)
     from_exp = torch.copysign((1 - e) / (1 + e), x)
@@ -75,10 +76,10 @@ def tanh_from_exp(x: torch.Tensor) -> torch.Tensor:
 
 
 def kernel_tanh(x: torch.Tensor) -> torch.Tensor:
-    """The tanh of the kernels: `tanh_from_exp` where inductor compiles them (float32 and narrower), ``torch.tanh``
-    where they run eagerly (a compiler failure, a dispatch mode, float64 references), which is faster there and
-    exact."""
-    if torch.compiler.is_compiling() and x.dtype != torch.float64:
+    """The tanh of the kernels: `tanh_from_exp` where inductor compiles them for a CPU (float32 and narrower),
+    ``torch.tanh`` where they run eagerly (a compiler failure, a dispatch mode, float64 references), which is faster
+    there and exact, and on accelerators, whose compiled tanh is not SLEEF's."""
+    if torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype != torch.float64:
         return tanh_from_exp(x)
     return torch.tanh(x)
 

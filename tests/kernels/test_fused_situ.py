@@ -55,7 +55,8 @@ def assert_tanh_within_two_epsilons(values: torch.Tensor, x: torch.Tensor) -> No
     exact = torch.tanh(x.double())
     error = (values.double() - exact).abs()
     bound = 2 * torch.finfo(torch.float32).eps * exact.abs()
-    assert bool((error <= bound).all()), f"worst x {x[(error - bound).argmax()].item()!r}: error {error.max().item():.3g}"
+    worst = x[(error - bound).argmax()].item()
+    assert bool((error <= bound).all()), f"worst x {worst!r}: error {error.max().item():.3g}"
     assert torch.equal(torch.signbit(values), torch.signbit(exact))  # odd, signed zeros included
 
 
@@ -72,14 +73,15 @@ def test_tanh_from_exp_is_within_two_float32_epsilons_of_tanh_over_its_range():
 
 def test_the_kernels_tanh_is_torchs_outside_compilation_and_the_formula_inside(monkeypatch):
     """Eager (a compiler failure, a dispatch mode, float64 references) the kernels keep torch.tanh, faster there and
-    exact; compiled they take `tanh_from_exp`, except in float64, where the series would not be exact enough."""
+    exact; compiled for a CPU they take `tanh_from_exp`, except in float64, where the series would not be exact
+    enough; off the CPU (here the meta device) they keep torch.tanh."""
     x = tanh_arguments()
     assert torch.equal(kernel_tanh(x), torch.tanh(x))
     traced = []
-    monkeypatch.setattr(fused_situ, "tanh_from_exp", lambda t: traced.append(t.dtype) or torch.tanh(t))
+    monkeypatch.setattr(fused_situ, "tanh_from_exp", lambda t: traced.append((t.dtype, t.device.type)) or torch.tanh(t))
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    kernel_tanh(x), kernel_tanh(x.double())
-    assert traced == [torch.float32]
+    kernel_tanh(x), kernel_tanh(x.double()), kernel_tanh(x.to("meta"))
+    assert traced == [(torch.float32, "cpu")]
 
 
 def test_static_widths_compile_once_per_width_with_the_leading_dims_dynamic():
