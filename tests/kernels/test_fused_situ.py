@@ -17,6 +17,7 @@ from kimi_k3.kernels import compiled, fused_situ
 from kimi_k3.kernels.compiled import CompiledFunction
 from kimi_k3.kernels.fused_situ import (
     SHARED_KERNELS,
+    TANH_SERIES_BELOW,
     SiTUKernels,
     fused_min_elements,
     fused_situ_and_mul,
@@ -51,22 +52,39 @@ def tanh_arguments() -> torch.Tensor:
     return torch.cat([magnitudes, -magnitudes, special, normal]).float()
 
 
-def assert_tanh_within_two_epsilons(values: torch.Tensor, x: torch.Tensor) -> None:
+def tanh_rounding_bound(x: torch.Tensor) -> torch.Tensor:
+    """The relative error `tanh_from_exp` can make in float32, from its own operations (unit roundoff u = 2⁻²⁴):
+
+    - the exp form: ``exp`` within 1 ulp (2u relative, SLEEF's and MKL's alike), carried into (1 - e)/(1 + e) by its
+      condition in e, κ = 2e / ((1 - e)(1 + e)) (1.92 at |x| = 1/4, falling fast beyond), then one rounding each for
+      1 - e, 1 + e and the division: (2κ + 3)u;
+    - the series: the last Horner step 1 + x²·s and the product by x round once each, and every earlier rounding is
+      scaled by x²/3 ≤ 1/48: 3u."""
+    unit_roundoff = torch.finfo(torch.float32).eps / 2
+    magnitude = x.double().abs()
+    e = torch.exp(-2 * magnitude)
+    condition = 2 * e / ((1 - e) * (1 + e))
+    return torch.where(magnitude < TANH_SERIES_BELOW, 3.0, 2 * condition + 3) * unit_roundoff
+
+
+def assert_tanh_within_its_rounding_bound(values: torch.Tensor, x: torch.Tensor) -> None:
     exact = torch.tanh(x.double())
     error = (values.double() - exact).abs()
-    bound = 2 * torch.finfo(torch.float32).eps * exact.abs()
+    bound = tanh_rounding_bound(x) * exact.abs()
     worst = x[(error - bound).argmax()].item()
     assert bool((error <= bound).all()), f"worst x {worst!r}: error {error.max().item():.3g}"
     assert torch.equal(torch.signbit(values), torch.signbit(exact))  # odd, signed zeros included
 
 
-def test_tanh_from_exp_is_within_two_float32_epsilons_of_tanh_over_its_range():
-    """The formula eager and as inductor compiles it (its own exp, its own order): relative error ≤ 2⁻²² everywhere,
-    exact signs and zeros, ±1 at ±inf, NaN kept."""
+def test_tanh_from_exp_is_within_its_rounding_bound_of_tanh_over_its_range():
+    """The formula eager and as inductor compiles it (its own exp, its own order): within the relative error its own
+    roundings allow (`tanh_rounding_bound`, under 3.5 float32 epsilons) everywhere, exact signs and zeros, ±1 at
+    ±inf, NaN kept."""
     x = tanh_arguments()
+    assert tanh_rounding_bound(x).max() < 3.5 * torch.finfo(torch.float32).eps  # the crossover keeps κ small
     compiled_formula = CompiledFunction(tanh_from_exp, static_widths=True)
     for values in (tanh_from_exp(x), compiled_formula(x)):
-        assert_tanh_within_two_epsilons(values, x)
+        assert_tanh_within_its_rounding_bound(values, x)
     assert not compiled_formula.failed
     assert tanh_from_exp(torch.tensor([float("nan")])).isnan().all()
 
