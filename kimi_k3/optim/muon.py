@@ -356,17 +356,41 @@ class PerHeadMuon(torch.optim.Optimizer):
 
     def _adamw_step(self, group):
         params = [p for p in group["params"] if p.grad is not None]
+        fused = fused_adamw_applies(params)
         for p in params:
             state = self.state[p]
             if not state:
                 state["step"] = torch.tensor(0.0)
                 state["exp_avg"] = torch.zeros_like(p)
                 state["exp_avg_sq"] = torch.zeros_like(p)
-        states = [self.state[p] for p in params]
+            if fused and state["step"].device != p.device:  # fused kernels read the count on the parameter's device
+                state["step"] = state["step"].to(p.device)
         beta1, beta2 = group["betas"]
-        adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-              [], [s["step"] for s in states], amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-              weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        # A fused call takes plain tensors or DTensors, not both; each parameter's update is its own either way.
+        for kind in _plain_and_sharded(params):
+            states = [self.state[p] for p in kind]
+            adamw(kind, [p.grad for p in kind], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                  [], [s["step"] for s in states], amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                  weight_decay=group["weight_decay"], eps=group["eps"], maximize=False, fused=fused)
+
+
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")
+
+
+def fused_adamw_applies(params) -> bool:
+    """Whether torch's fused AdamW (``fused=True``: one kernel per parameter for the ten or so its single-tensor loop
+    runs, the loop torch picks for CPU tensors) takes ``params``: floating-point tensors on a CPU or CUDA device. The
+    two round a few elements in ten thousand differently, each as close to a float64 AdamW as the other;
+    ``benchmarks/bench_optimizer.py`` times both. The choice depends on the parameters alone, never on their layout,
+    so sharded steps (where a rank holds ``DTensor``s) stay bitwise the single-process step."""
+    return bool(params) and all(p.is_floating_point() and p.device.type in FUSED_ADAMW_DEVICES for p in params)
+
+
+def _plain_and_sharded(params):
+    """``params`` split into plain tensors and ``DTensor``s (empty lists left out)."""
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    return [kind for kind in (plain, sharded) if kind]
 
 
 def _param_names(group):

@@ -11,6 +11,7 @@ from kimi_k3.optim.muon import (
     PerHeadMuon,
     PerHeadMuonFactory,
     build_param_groups,
+    fused_adamw_applies,
     merge_row_blocks,
     split_row_blocks,
 )
@@ -126,6 +127,48 @@ def test_weight_decay_is_decoupled_and_exact():
     weight.grad = torch.zeros_like(weight)
     optimizer.step()
     assert torch.equal(weight.detach(), start * (1 - 0.03 * 0.1))
+
+
+def _adamw_steps(dtype, grads, make_optimizer):
+    """Parameters after stepping ``make_optimizer(params)`` through ``grads`` from fixed starting values."""
+    torch.manual_seed(1)
+    params = [torch.nn.Parameter(torch.randn(grad.shape, dtype=dtype)) for grad in grads[0]]
+    optimizer = make_optimizer(params)
+    for step_grads in grads:
+        for param, grad in zip(params, step_grads):
+            param.grad = grad.to(dtype)
+        optimizer.step()
+    return [param.detach() for param in params]
+
+
+def test_adamw_groups_step_as_torch_fused_adamw_and_as_accurately_as_its_reference_loop():
+    torch.manual_seed(0)
+    shapes = [(300,), (7, 33), (1, 256)]
+    # Gradients over seven orders of magnitude, so eps and the second moment both matter.
+    grads = [[torch.randn(shape) * 10 ** torch.empty(shape).uniform_(-6, 1) for shape in shapes] for _ in range(6)]
+    hyper = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+    def ours(params):
+        return PerHeadMuon([{"params": params, "use_muon": False}], lr=hyper["lr"], betas=hyper["betas"],
+                           eps=hyper["eps"], weight_decay=hyper["weight_decay"])
+
+    def torch_adamw(**loop):
+        return lambda params: torch.optim.AdamW(params, **hyper, **loop)
+
+    actual = _adamw_steps(torch.float32, grads, ours)
+    fused = _adamw_steps(torch.float32, grads, torch_adamw(fused=True))
+    trusted = _adamw_steps(torch.float32, grads, torch_adamw(foreach=False))
+    exact = _adamw_steps(torch.float64, grads, torch_adamw(foreach=False))
+    for index, (a, f, t, e) in enumerate(zip(actual, fused, trusted, exact)):
+        assert torch.equal(a, f), f"parameter {index}: not torch's fused AdamW bit for bit"
+        assert_as_accurate(a, t, e, what=f"AdamW parameter {index}")
+
+
+def test_fused_adamw_takes_floating_point_cpu_tensors():
+    assert fused_adamw_applies([torch.zeros(3), torch.zeros(2, 2, dtype=torch.bfloat16)])
+    assert not fused_adamw_applies([])
+    assert not fused_adamw_applies([torch.zeros(3, device="meta")])
+    assert not fused_adamw_applies([torch.zeros(3), torch.zeros(3, dtype=torch.int64)])
 
 
 def test_split_kv_blocks_with_unequal_rows_round_trip():
