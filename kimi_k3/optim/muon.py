@@ -380,9 +380,10 @@ FUSED_ADAMW_DEVICES = ("cpu", "cuda")
 def fused_adamw_applies(params) -> bool:
     """Whether torch's fused AdamW (``fused=True``: one kernel per parameter for the ten or so its single-tensor loop
     runs, the loop torch picks for CPU tensors) takes ``params``: floating-point tensors on a CPU or CUDA device. The
-    two round a few elements in ten thousand differently, each as close to a float64 AdamW as the other;
-    ``benchmarks/bench_optimizer.py`` times both. The choice depends on the parameters alone, never on their layout,
-    so sharded steps (where a rank holds ``DTensor``s) stay bitwise the single-process step."""
+    two round some elements differently, both within fp32's rounding scale of a float64 AdamW
+    (``tests/optim/test_muon.py``); ``benchmarks/bench_optimizer.py`` times them. The choice depends on the parameters
+    alone, never on their layout, so sharded steps (where a rank holds ``DTensor``s) stay bitwise the single-process
+    step."""
     return bool(params) and all(p.is_floating_point() and p.device.type in FUSED_ADAMW_DEVICES for p in params)
 
 
