@@ -5,8 +5,9 @@
 
 A training step is forward + causal-LM loss + backward + AdamW step; the job's step uses Per-Head Muon with Quantile
 Balancing and QK-Clip instead (`step_profile.job_training_step`, at this script's batch). Its floor is the step's own
-matrix products (forward, backward, Newton–Schulz: the recorded shapes and counts) replayed back to back, in the job's
-dtype and, where this CPU multiplies bf16 natively, in bf16; its FLOP rate is those products' FLOPs over the step's
+matrix products (forward, backward, Newton–Schulz: recorded in order, with where each operand lay) replayed back to back
+on operands laid out as in the step (`step_profile.MatmulFloor`), in the job's dtype and, where this CPU multiplies bf16
+natively, in bf16; its FLOP rate is those products' FLOPs over the step's
 time, as a share of one large fp32 GEMM's rate. Throughput candidates and floors run interleaved in one process (min of
 the repetitions); peak memory is the resident-set high-water mark of a fresh process per variant, reported on top of
 the process after building the model, so the numbers do not bleed into each other.

@@ -13,10 +13,13 @@ optimizer step and the policies' updates; no data loading.
 - **QK-Clip's cost**: the same step without QK-Clip, timed interleaved with it.
 - **What compiling Per-Head Muon's elementwise passes buys**: the same step with those passes eager at every size
   (``kimi_k3.optim.elementwise``), timed interleaved with it.
-- **Matmul floor**: every matrix product of one step (forward, backward, Newton–Schulz), recorded with its shapes by
-  a dispatch mode, then replayed back to back on fresh tensors of the same shapes, strides and dtypes. That is the
-  time the step would take if everything but its matrix products were free; each phase is also set against the
-  products it runs itself.
+- **Matmul floor**: every matrix product of one step (forward, backward, Newton–Schulz), recorded in order by a
+  dispatch mode with its shapes, strides, dtypes and where each operand lay, then replayed back to back in that order
+  on random operands laid out the same way: products that shared a storage in the step share one in the replay, and
+  grouped products split their rows as the step's routing did. That is the time the step would take if everything
+  but its matrix products were free; each phase is also set against the products it runs itself. Beside it, the floor
+  on shared operands (each shape's products reusing one set of operands, grouped rows split evenly), which keeps
+  operands in cache that the step has to fetch: a lower figure than the step's products can reach.
 
     python benchmarks/step_profile.py                    # this CPU's kernels
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/step_profile.py
@@ -30,6 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
@@ -211,111 +215,212 @@ def phase_times(steps: dict[str, Callable[[], tuple[float, float, float]]], repe
     return {name: {phase: min(times) for phase, times in zip(PHASES, zip(*rounds))} for name, rounds in runs.items()}
 
 
-class MatmulRecorder(TorchDispatchMode):
-    """Records (operator, shapes, strides, dtypes, non-tensor arguments) of every matrix product that runs."""
+@dataclass(frozen=True)
+class Operand:
+    """A floating-point tensor operand of a recorded product: which of the step's storages it lies in (numbered in
+    order of first use), and its view of that storage."""
 
-    def __init__(self):
+    storage: int
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    def in_dtype(self, dtype: torch.dtype | None) -> "Operand":
+        return self if dtype is None else Operand(self.storage, self.offset, self.shape, self.stride, dtype)
+
+    @property
+    def layout(self) -> tuple:
+        return "tensor", self.shape, self.stride, self.dtype
+
+    @property
+    def span(self) -> int:
+        """Elements of the storage the view covers, from its first element to its last."""
+        if not all(self.shape):
+            return 0
+        return 1 + sum((size - 1) * step for size, step in zip(self.shape, self.stride))
+
+    @property
+    def reach(self) -> int:
+        """Bytes of the storage the view reaches, from the storage's start."""
+        return (self.offset + self.span) * self.dtype.itemsize
+
+
+@dataclass(frozen=True, eq=False)
+class Counts:
+    """An integer tensor operand (a grouped product's group offsets), kept by value: the step's own expert loads."""
+
+    values: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape)
+
+    @property
+    def layout(self) -> tuple:
+        return "integers", self.shape, self.values.dtype
+
+
+class Call(NamedTuple):
+    """One recorded product: its operator and its arguments, tensors as `Operand` or `Counts`."""
+
+    func: torch._ops.OpOverload
+    args: tuple
+    kwargs: dict
+
+    def operands(self) -> list:
+        return [value for value in (*self.args, *self.kwargs.values()) if isinstance(value, (Operand, Counts))]
+
+    @property
+    def flops(self) -> int:
+        return MATMULS[self.func](*self.args)
+
+    @property
+    def signature(self) -> tuple:
+        """What the call computes on, without where its operands lie: shapes, strides, dtypes and other arguments."""
+        return (self.func, tuple(map(_layout, self.args)),
+                tuple((name, _layout(value)) for name, value in self.kwargs.items()))
+
+
+def _layout(value) -> tuple:
+    return value.layout if isinstance(value, (Operand, Counts)) else ("value", value)
+
+
+class MatmulRecorder(TorchDispatchMode):
+    """Records every matrix product that runs, in order: its operator, its operands (where each lies: recorders given
+    one ``storages`` dict number the storages of one step alike) and its other arguments."""
+
+    def __init__(self, storages: dict[int, int] | None = None):
         super().__init__()
-        self.calls = collections.Counter()
+        self.calls: list[Call] = []
+        self._storages = {} if storages is None else storages
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func in MATMULS:
-            self.calls[(func, _signature(args), _signature(tuple((kwargs or {}).items())))] += 1
-        return func(*args, **(kwargs or {}))
+            self.calls.append(Call(func, tuple(map(self._operand, args)),
+                                   {name: self._operand(value) for name, value in kwargs.items()}))
+        return func(*args, **kwargs)
 
-
-def _signature(values) -> tuple:
-    signature = []
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            signature.append(("tensor", tuple(value.shape), value.stride(), value.dtype))
-        elif isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str):
-            signature.append((value[0], _signature((value[1],))[0]))
-        else:
-            signature.append(("value", value))
-    return tuple(signature)
-
-
-def _in_dtype(entry, dtype: torch.dtype | None):
-    if dtype is None or entry[0] != "tensor" or not entry[3].is_floating_point:
-        return entry
-    return (*entry[:3], dtype)
-
-
-def _materialise(entry, generator: torch.Generator):
-    kind, *rest = entry
-    if kind == "tensor":
-        shape, stride, dtype = rest
-        if dtype in (torch.int32, torch.int64):  # grouped_mm offsets: an even split of the rows
-            return None
-        size = 1 + sum((extent - 1) * step for extent, step in zip(shape, stride)) if shape else 1
-        storage = torch.randn(size, generator=generator).to(dtype)
-        return storage.as_strided(shape, stride)
-    if kind == "value":
-        return rest[0]
-    return kind, _materialise(rest[0], generator)
-
-
-def _grouped_offsets(args: list, entries) -> list:
-    """An even split of the grouped product's rows over its groups (the recorded split is data-dependent)."""
-    for index, entry in enumerate(entries):
-        if entry[0] == "tensor" and entry[3] in (torch.int32, torch.int64):
-            groups, rows = entry[1][0], args[0].shape[0]
-            args[index] = torch.linspace(rows / groups, rows, groups).round().to(entry[3])
-    return args
+    def _operand(self, value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        if not value.is_floating_point():
+            return Counts(value.clone())
+        storage = self._storages.setdefault(value.untyped_storage().data_ptr(), len(self._storages))
+        return Operand(storage, value.storage_offset(), tuple(value.shape), value.stride(), value.dtype)
 
 
 @dataclass
 class MatmulFloor:
-    calls: collections.Counter
+    """The matrix products of a step, in the order it ran them, to replay back to back."""
+
+    calls: list[Call]
 
     @classmethod
     def together(cls, floors) -> "MatmulFloor":
-        """One floor for the products of all ``floors`` (the phases of a step)."""
-        return cls(sum((floor.calls for floor in floors), collections.Counter()))
+        """One floor for the products of all ``floors`` (the phases of a step, recorded with shared storage numbers)."""
+        return cls([call for floor in floors for call in floor.calls])
 
     @property
     def flops(self) -> float:
-        return sum(count * MATMULS[func](*_shapes_only(args)) for (func, args, _), count in self.calls.items())
+        return sum(call.flops for call in self.calls)
 
     @property
     def count(self) -> int:
-        return sum(self.calls.values())
+        return len(self.calls)
 
-    def replay(self, dtype: torch.dtype | None = None):
-        """A callable that runs every recorded product once, on fresh tensors, back to back; in ``dtype`` instead of
-        the recorded floating dtypes when given."""
+    def replay(self, dtype: torch.dtype | None = None, shared_operands: bool = False) -> Callable[[], None]:
+        """A callable that runs every recorded product once, back to back, in the recorded order; in ``dtype``
+        instead of the recorded floating dtypes when given.
+
+        The operands lie as they did in the step: products that read or wrote the same storage there share one here
+        (a weight read by the forward and the backward, Newton–Schulz's reused buffers, the memory the allocator
+        handed on from one activation to the next), and grouped products split their rows as the step's routing did.
+        So the products find in cache what the products themselves left there, as if everything else in the step took
+        no time. ``shared_operands=True`` gives every distinct shape one set of fresh operands that all its products
+        reuse, with grouped rows split evenly: a product repeated over the layers then keeps its operands in cache,
+        which the step cannot (the floor as first defined here, kept for comparison).
+        """
+        if shared_operands:
+            return self._replay_on_shared_operands(dtype)
         generator = torch.Generator().manual_seed(0)
+        calls = [_in_dtype(call, dtype) for call in self.calls]
+        reach, first_dtype = collections.defaultdict(int), {}
+        for operand in (operand for call in calls for operand in call.operands() if isinstance(operand, Operand)):
+            reach[operand.storage] = max(reach[operand.storage], operand.reach)
+            first_dtype.setdefault(operand.storage, operand.dtype)
+        storages = {}
+        for storage, size in reach.items():
+            storages[storage] = torch.empty(-(-size // 8), dtype=torch.float64).view(torch.uint8)  # 8-byte aligned
+            storages[storage].view(first_dtype[storage]).normal_(generator=generator)
+
+        def materialise(value):
+            if isinstance(value, Operand):
+                return storages[value.storage].view(value.dtype).as_strided(value.shape, value.stride, value.offset)
+            return value.values if isinstance(value, Counts) else value
+
+        return _back_to_back([(call.func, [materialise(value) for value in call.args],
+                               {name: materialise(value) for name, value in call.kwargs.items()}, 1) for call in calls])
+
+    def _replay_on_shared_operands(self, dtype: torch.dtype | None) -> Callable[[], None]:
+        generator = torch.Generator().manual_seed(0)
+        by_signature: dict[tuple, list[Call]] = {}
+        for call in (_in_dtype(call, dtype) for call in self.calls):
+            by_signature.setdefault(call.signature, []).append(call)
         prepared = []
-        for (func, args, kwargs), count in self.calls.items():
-            args = tuple(_in_dtype(entry, None if func in RECORDED_DTYPE_ONLY else dtype) for entry in args)
-            materialised = _grouped_offsets([_materialise(entry, generator) for entry in args], args)
-            prepared.append((func, materialised, dict(_materialise(entry, generator) for entry in kwargs), count))
-
-        def run() -> None:
-            with torch.no_grad():
-                for func, args, kwargs, count in prepared:
-                    for _ in range(count):
-                        func(*args, **kwargs)
-
-        return run
+        for calls in by_signature.values():
+            func, args, kwargs = calls[0]
+            args = [_fresh(value, generator) for value in args]
+            args = [_even_split(value, args[0].shape[0]) if isinstance(value, Counts) else value for value in args]
+            prepared.append((func, args, {name: _fresh(value, generator) for name, value in kwargs.items()},
+                             len(calls)))
+        return _back_to_back(prepared)
 
     def by_shape(self, limit: int = 10) -> list[dict]:
-        rows = []
-        for (func, args, _), count in self.calls.items():
-            shapes = [entry[1] for entry in args if entry[0] == "tensor"]
-            rows.append({"op": func.__name__.split(".")[0], "shapes": " x ".join(map(str, shapes)), "calls": count,
-                         "GFLOP": count * MATMULS[func](*_shapes_only(args)) / 1e9})
-        return sorted(rows, key=lambda row: -row["GFLOP"])[:limit]
+        rows = {}
+        for call in self.calls:
+            row = rows.setdefault(call.signature, {
+                "op": call.func.__name__.split(".")[0], "calls": 0, "GFLOP": 0.0,
+                "shapes": " x ".join(str(operand.shape) for operand in call.args if isinstance(operand, Operand))})
+            row["calls"] += 1
+            row["GFLOP"] += call.flops / 1e9
+        return sorted(rows.values(), key=lambda row: -row["GFLOP"])[:limit]
 
 
-class _Shape:
-    def __init__(self, shape):
-        self.shape = shape
+def _back_to_back(prepared: list[tuple]) -> Callable[[], None]:
+    """Runs each prepared ``(operator, args, kwargs, times)`` that many times, in order, without autograd."""
+    def run() -> None:
+        with torch.no_grad():
+            for func, args, kwargs, times in prepared:
+                for _ in range(times):
+                    func(*args, **kwargs)
+
+    return run
 
 
-def _shapes_only(args) -> list:
-    return [_Shape(entry[1]) if entry[0] == "tensor" else entry[-1] for entry in args]
+def _in_dtype(call: Call, dtype: torch.dtype | None) -> Call:
+    """``call`` with its floating operands in ``dtype``; products without a 16-bit kernel keep their own."""
+    if dtype is None or call.func in RECORDED_DTYPE_ONLY:
+        return call
+
+    def retyped(value):
+        return value.in_dtype(dtype) if isinstance(value, Operand) else value
+
+    return Call(call.func, tuple(map(retyped, call.args)), {name: retyped(value) for name, value in call.kwargs.items()})
+
+
+def _fresh(value, generator: torch.Generator):
+    """An operand's view on a storage of its own, of random values."""
+    if not isinstance(value, Operand):
+        return value
+    return torch.randn(value.span, generator=generator).to(value.dtype).as_strided(value.shape, value.stride)
+
+
+def _even_split(counts: Counts, rows: int) -> torch.Tensor:
+    """Group offsets that split ``rows`` evenly over the groups."""
+    groups = counts.shape[0]
+    return torch.linspace(rows / groups, rows, groups).round().to(counts.values.dtype)
 
 
 def record_phase_matmuls(batch_size: int = JOB_BATCH[0], seq_len: int = JOB_BATCH[1],
@@ -327,7 +432,8 @@ def record_phase_matmuls(batch_size: int = JOB_BATCH[0], seq_len: int = JOB_BATC
     recorded step."""
     step = job_training_step(batch_size, seq_len, fused_kernels=False)
     step()
-    recorders = {phase: MatmulRecorder() for phase in PHASES}
+    storages = {}  # one numbering for the three phases: the backward reads what the forward wrote
+    recorders = {phase: MatmulRecorder(storages) for phase in PHASES}
     with around(step.model) if around is not None else contextlib.nullcontext():
         step(recorders)
     return {phase: MatmulFloor(recorder.calls) for phase, recorder in recorders.items()}
@@ -362,7 +468,8 @@ def run(profiled_steps: int = 3, repeats: int = 3, fill_uninitialized_memory: bo
     eager_passes = with_eager_optimizer_passes(job_training_step())
     for _ in range(2):
         eager_passes()
-    replays = {"floor": floor.replay(), **{f"{phase} floor": phase_floors[phase].replay() for phase in PHASES}}
+    replays = {"floor": floor.replay(), "floor on shared operands": floor.replay(shared_operands=True),
+               **{f"{phase} floor": phase_floors[phase].replay() for phase in PHASES}}
     times = time_interleaved({"step": step, "without QK-Clip": without_qk_clip, "eager passes": eager_passes,
                               **replays}, repeats=repeats)
     phases, eager_phases = phase_times({"step": step, "eager passes": eager_passes}, 2 * repeats).values()
@@ -375,6 +482,8 @@ def run(profiled_steps: int = 3, repeats: int = 3, fill_uninitialized_memory: bo
         **{f"{name} ms": 1e3 * seconds for name, seconds in phases.items()},
         "optimizer step, Muon's elementwise passes eager ms": 1e3 * eager_phases["optimizer step"],
         "matmul floor ms": 1e3 * times["floor"], "step / floor": wall / times["floor"],
+        "matmul floor, shared operands ms": 1e3 * times["floor on shared operands"],
+        "step / floor on shared operands": wall / times["floor on shared operands"],
         "matmul GFLOP / step": floor.flops / 1e9, "step GFLOP/s": floor.flops / wall / 1e9,
         "large-GEMM GFLOP/s": gemm / 1e9, "share of large-GEMM rate %": 100 * floor.flops / wall / gemm,
     }

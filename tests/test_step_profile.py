@@ -1,8 +1,48 @@
 """The step's matmul floor (benchmarks/step_profile.py) replays what it recorded, in 16 bits too."""
 
+import collections
+
 import torch
 
-from benchmarks.step_profile import MatmulFloor, MatmulRecorder
+from benchmarks.step_profile import Counts, MatmulFloor, MatmulRecorder
+
+
+def as_recorded(calls) -> list:
+    """The calls with every group-offsets operand as its values, to compare recordings."""
+    return [(call.func, [value.values.tolist() if isinstance(value, Counts) else value for value in call.args],
+             call.kwargs) for call in calls]
+
+
+def test_a_floor_replays_its_products_in_order_on_operands_laid_out_as_the_step_had_them():
+    """Recorded again, the replay is the same calls: in the same order, each operand a view of the same shape, strides
+    and offset of a storage shared exactly where the recorded ones shared one (a weight read twice, a buffer written
+    then read, a view into the middle of a tensor), and a grouped product with the recorded, uneven group sizes."""
+    generator = torch.Generator().manual_seed(0)
+    inputs, weight = torch.randn(5, 8, generator=generator), torch.randn(8, 6, generator=generator)
+    stack, experts = torch.randn(2, 3, 4, generator=generator), torch.randn(3, 8, 4, generator=generator)
+    gram, polynomial = torch.empty(2, 3, 3), torch.empty(2, 3, 3)
+    offsets = torch.tensor([1, 1, 5], dtype=torch.int32)  # an empty group between two uneven ones
+    with MatmulRecorder() as recorder:
+        hidden = inputs @ weight
+        torch.bmm(stack, stack.mT, out=gram)
+        torch.baddbmm(gram, gram, gram, beta=-4.775, alpha=2.0315, out=polynomial)
+        hidden.T @ inputs[:, 1:7]
+        weight.T @ inputs[1:, :].T
+        torch._grouped_mm(inputs, experts, offs=offsets)
+    floor = MatmulFloor(recorder.calls)
+    assert floor.count == 6 and len({operand.storage for call in floor.calls for operand in call.operands()
+                                     if not isinstance(operand, Counts)}) == 7
+    with MatmulRecorder() as again:
+        floor.replay()()
+    assert as_recorded(again.calls) == as_recorded(recorder.calls)
+
+    # On shared operands: the same products, shape by shape, with the grouped rows split evenly.
+    with MatmulRecorder() as shared:
+        floor.replay(shared_operands=True)()
+    assert collections.Counter(call.signature for call in shared.calls) == collections.Counter(
+        call.signature for call in floor.calls)
+    assert [value.values.tolist() for call in shared.calls for value in call.args if isinstance(value, Counts)] == [
+        [2, 3, 5]]
 
 
 def test_a_floor_replays_its_products_in_16_bits_and_those_without_a_16_bit_kernel_as_recorded():

@@ -222,8 +222,8 @@ BORROWED_API = [
                     importlib.import_module("torch.utils._python_dispatch").is_in_torch_dispatch_mode)),
     # Benchmarks only: torch keeps no public way to see every ATen call of a backward pass, or the compiler's phases.
     BorrowedApi("torch.utils._python_dispatch.TorchDispatchMode",
-                "benchmarks/step_profile.py records the shapes of every matrix product of a training step, forward, "
-                "backward and optimizer, to replay them as the step's floor",
+                "benchmarks/step_profile.py records every matrix product of a training step, forward, backward and "
+                "optimizer, with where each operand lies, to replay them as the step's floor",
                 lambda: hasattr(importlib.import_module("torch.utils._python_dispatch"), "TorchDispatchMode")),
     BorrowedApi("torch._dynamo.utils.compile_times",
                 "benchmarks/bench_compile.py reports where torch.compile spends its time (tracing, AOT autograd, "
