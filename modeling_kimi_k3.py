@@ -397,13 +397,15 @@ def _split_chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
 
 
 def chunk_kda(
-    q, k, v, g, beta, initial_state=None, chunk_size: int = 64, gate_lower_bound: float | None = None,
+    q, k, v, g, beta, initial_state=None, chunk_size: int = 32, gate_lower_bound: float | None = None,
     document_starts=None,
 ):
     """Chunked KDA: the WY form of Kimi Linear §3.1 (``fla/ops/kda``), equal to `recurrent_kda` up to rounding.
 
     Everything that does not depend on the incoming state (decayed scores, T = (I + L)^-1, U, W) is computed for all
-    chunks at once; only Ṽ = U − W S and the state update run chunk by chunk. ``gate_lower_bound`` (every g ≥ lb)
+    chunks at once; only Ṽ = U − W S and the state update run chunk by chunk. Chunks of 32 tokens rather than FLA's
+    64: the per-chunk work (scores, the triangular solve) shrinks with the chunk, and on a CPU that outweighs the longer
+    chunk loop; with strong decays fewer decay products also fall into fp32's subnormal range, which is slow on x86. ``gate_lower_bound`` (every g ≥ lb)
     sizes the sub-chunks of `kda_intra_chunk_scores`; without it the kernel assumes nothing about g.
     Padding the tail with k = v = g = β = 0 leaves the state untouched, so any length works. Autocast is ignored:
     bf16 matmuls would break the fp32 state recurrence.

@@ -181,7 +181,7 @@ def run(quick: bool = False, repeats: int | None = None) -> dict:
     for row in decode:
         row["vs shortest context"] = row["decode step us"] / base
     return {
-        "title": "P2 - chunked KDA vs transformers kimi_linear torch kernel (fp32, head_dim 128, chunk 64)",
+        "title": "P2 - chunked KDA vs transformers kimi_linear torch kernel (fp32, head_dim 128, our default chunk)",
         "tables": [
             {
                 "caption": "Chunked kernel; speedup = transformers time / our time (min of interleaved repetitions).",
