@@ -20,6 +20,7 @@ from benchmarks.common import bench_arguments, forward_backward, report, time_in
 import torch  # noqa: E402
 from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention  # noqa: E402
 from transformers.utils import logging  # noqa: E402
+from kimi_k3.kernels.subnormals import flush_subnormals  # noqa: E402
 from modeling_kimi_k3 import chunk_kda, kda_decay_gate, l2_normalize, recurrent_kda  # noqa: E402
 
 HEAD_DIM = 128  # K3's KDA head size (the released config's `linear_attn_config`)
@@ -71,6 +72,7 @@ def chunked_case(seq_len: int, batch: int, heads: int, repeats: int) -> dict:
             "ours_forward": no_grad(ours, inputs),
             "hf_forward": no_grad(transformers_kernel, inputs),
             "ours_train": forward_backward(lambda: ours(*inputs)),
+            "ours_train_flushed": flushing_subnormals(forward_backward(lambda: ours(*inputs))),
             "hf_train": forward_backward(lambda: transformers_kernel(*inputs)),
         },
         repeats=repeats,
@@ -84,6 +86,7 @@ def chunked_case(seq_len: int, batch: int, heads: int, repeats: int) -> dict:
         "HF fwd ms": 1e3 * times["hf_forward"],
         "fwd speedup": times["hf_forward"] / times["ours_forward"],
         "ours fwd+bwd ms": 1e3 * times["ours_train"],
+        "same, subnormals flushed ms": 1e3 * times["ours_train_flushed"],
         "HF fwd+bwd ms": 1e3 * times["hf_train"],
         "fwd+bwd speedup": times["hf_train"] / times["ours_train"],
         "ours train tok/s": tokens / times["ours_train"],
@@ -98,16 +101,17 @@ def random_document_lengths(seq_len: int, documents: int, seed: int = 0) -> list
     return [end - start for start, end in zip([0, *cuts], [*cuts, seq_len])]
 
 
-def flushing_denormals(step):
-    """``step`` with subnormal floats flushed to zero: decays e^{γ} below fp32's smallest normal (γ < −87) are
-    subnormal, and arithmetic on them is slow on x86; masking replaces some of them with zeros."""
+def flushing_subnormals(step):
+    """``step`` with subnormal floats flushed to zero on every intra-op thread (`flush_subnormals`): decays e^{γ} below
+    fp32's smallest normal (γ < −87) are subnormal, and arithmetic on them is slow on x86; masking replaces some of
+    them with zeros."""
 
     def run() -> None:
-        torch.set_flush_denormal(True)
+        flush_subnormals(True, check=False)
         try:
             step()
         finally:
-            torch.set_flush_denormal(False)
+            flush_subnormals(False, check=False)
 
     return run
 
@@ -131,8 +135,8 @@ def packed_case(seq_len: int, heads: int, repeats: int) -> dict:
         {
             "unpacked": unpacked,
             "packed": packed,
-            "unpacked_flushed": flushing_denormals(unpacked),
-            "packed_flushed": flushing_denormals(packed),
+            "unpacked_flushed": flushing_subnormals(unpacked),
+            "packed_flushed": flushing_subnormals(packed),
             "loop": forward_backward(one_by_one),
         },
         repeats=repeats,
@@ -174,6 +178,8 @@ def run(quick: bool = False, repeats: int | None = None) -> dict:
     cases = QUICK_CASES if quick else FULL_CASES
     repeats = repeats or 2
     logging.set_verbosity_error()  # the kimi_linear kernel warns once that flash-linear-attention is absent
+    for flush in (True, False):  # checked once here that the setting reaches every thread; the cases toggle it unchecked
+        flush_subnormals(flush)
     chunked = [chunked_case(seq_len, batch, heads, repeats) for seq_len, batch, heads in cases]
     packed = [packed_case(seq_len, heads, repeats + 1) for seq_len, _, heads in cases]
     decode = [decode_case(seq_len, 4, max(5, repeats)) for seq_len, _, _ in cases]

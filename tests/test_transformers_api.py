@@ -6,10 +6,12 @@ new underscored names the project borrows from transformers' or torch's base cla
 Public replacements are used wherever they exist (e.g. the cache argument: see ``take_cache_argument``).
 """
 
+import ctypes
 import importlib
 import inspect
 import io
 import pathlib
+import sys
 import tokenize
 from typing import NamedTuple
 
@@ -220,6 +222,12 @@ BORROWED_API = [
                 "counters, operator recorders): the mode sees its operators, and the compiled kernel stays compiled",
                 lambda: "include_infra_modes" in parameters(
                     importlib.import_module("torch.utils._python_dispatch").is_in_torch_dispatch_mode)),
+    # torch sets flush-to-zero on the calling thread only; its OpenMP workers are reached through libgomp's own entry.
+    BorrowedApi("libgomp's GOMP_parallel (the OpenMP runtime's compiler ABI, called through ctypes)",
+                "kimi_k3.kernels.subnormals runs torch.set_flush_denormal on every worker of ATen's OpenMP team, which "
+                "torch's own call does not reach once the workers exist",
+                lambda: "OpenMP" not in torch.__config__.parallel_info() or sys.platform != "linux"
+                or hasattr(ctypes.CDLL(None), "GOMP_parallel")),
     # Benchmarks only: torch keeps no public way to see every ATen call of a backward pass, or the compiler's phases.
     BorrowedApi("torch.utils._python_dispatch.TorchDispatchMode",
                 "benchmarks/step_profile.py records every matrix product of a training step, forward, backward and "

@@ -69,10 +69,18 @@ from kimi_k3.policies.qk_clip import QKClipCallback
 from kimi_k3.policies.quantile_balancing import QuantileBalancingCallback
 from kimi_k3.publishing import hub
 from kimi_k3.publishing.model_card import render_model_card
+from kimi_k3.kernels.subnormals import flush_subnormals
 from kimi_k3.quantization.qat import WEIGHT_FORMATS, attach_qat, check_mxfp4_widths
 from kimi_k3.text.corpus import DataError, evaluation_blocks, load_corpus, tokenize_into_blocks, tokenizer_documents
 from kimi_k3.text.tokenizer import check_tokenizer_fits, load_tokenizer, train_bpe_tokenizer
 from modeling_kimi_k3 import KimiK3ForCausalLM
+
+
+def flush_subnormals_or_refuse() -> None:
+    try:
+        flush_subnormals()
+    except RuntimeError as error:
+        raise UsageError(f"--flush_subnormals: {error}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             if checkpoint is not None:
                 check_trainer_files(checkpoint, training_args, model_args.reinitialize_missing_trainer_state)
             set_seed(training_args.seed)  # Trainer seeds only in its constructor, after the model is initialised
+            if model_args.flush_subnormals:
+                flush_subnormals_or_refuse()
 
             splits, data_description = load_corpus(
                 data_args.data_files, data_args.text_column, data_args.validation_split_percentage,

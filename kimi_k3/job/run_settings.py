@@ -25,7 +25,7 @@ TRAINING_SETTINGS = (
 )  # fmt: skip
 MODEL_SETTINGS = (
     "optimizer", "muon_ns_dtype", "quantile_balancing", "router_balancing", "sign_balancing_gamma", "aux_loss_alpha",
-    "qk_clip_tau", "qat", "qat_activations",
+    "qk_clip_tau", "qat", "qat_activations", "flush_subnormals",
     "expert_merging_every_n_steps", "expert_merging_threshold", "expert_merging_max_per_layer",
 )  # fmt: skip
 DATA_SETTINGS = (

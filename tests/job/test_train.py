@@ -253,6 +253,30 @@ def test_qk_clip_tau_none_turns_recording_and_clipping_off(trained, tmp_path):
     assert not any("qk_clip/max_logit" in entry for entry in state["log_history"])
 
 
+FLUSHING_JOB = """
+import json, sys
+from kimi_k3.job.main import main
+from kimi_k3.kernels.subnormals import subnormal_results
+status = main(json.loads(sys.argv[1]))
+print(json.dumps([status, *subnormal_results()]))
+"""
+
+
+@pytest.mark.skipif(not torch.set_flush_denormal(False), reason="this CPU cannot flush subnormals")
+def test_flush_subnormals_trains_with_every_thread_flushing_and_records_the_setting(trained, tmp_path):
+    """In a process of its own (the setting stays on its threads): the job flushes subnormals on every intra-op thread
+    and records the choice with the run's settings, which a resume must keep."""
+    _, corpus, _, _ = trained
+    argv = tiny_args(tmp_path / "run", corpus, "--flush_subnormals", "--max_steps", "2", "--save_steps", "2",
+                     "--eval_steps", "2")
+    result = subprocess.run([sys.executable, "-c", FLUSHING_JOB, json.dumps(argv)], cwd=REPO, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    status, subnormal, products = json.loads(result.stdout.splitlines()[-1])
+    assert status == 0 and subnormal == 0 and products > 0
+    assert json.loads((tmp_path / "run" / "checkpoint-2" / "run_settings.json").read_text())["flush_subnormals"]
+
+
 def test_cli_reentrant_activation_checkpointing_trains_the_same_losses(trained, tmp_path, monkeypatch):
     uses_reentrant, checkpoint = [], transformers.modeling_utils.checkpoint
 
