@@ -60,6 +60,7 @@ from kimi_k3.job.resume_manifest import CheckpointFileError, check_trainer_files
 from kimi_k3.job.run_settings import check_unchanged, run_settings
 from kimi_k3.job.resumable import ResumableCallback, TrainingClock
 from kimi_k3.job.trainer import KimiK3Trainer, SaveError, check_resumable, finished_step
+from kimi_k3.kernels.subnormals import flush_subnormals
 from kimi_k3.kernels.training import use_fused_kernels
 from kimi_k3.optim.muon import PerHeadMuonFactory
 from kimi_k3.optim.precision import warn_if_bf16_is_emulated
@@ -69,7 +70,6 @@ from kimi_k3.policies.qk_clip import QKClipCallback
 from kimi_k3.policies.quantile_balancing import QuantileBalancingCallback
 from kimi_k3.publishing import hub
 from kimi_k3.publishing.model_card import render_model_card
-from kimi_k3.kernels.subnormals import flush_subnormals
 from kimi_k3.quantization.qat import WEIGHT_FORMATS, attach_qat, check_mxfp4_widths
 from kimi_k3.text.corpus import DataError, evaluation_blocks, load_corpus, tokenize_into_blocks, tokenizer_documents
 from kimi_k3.text.tokenizer import check_tokenizer_fits, load_tokenizer, train_bpe_tokenizer

@@ -60,7 +60,7 @@ def _on_every_openmp_worker(function) -> None:
     count; nothing where ATen is not on libgomp."""
     try:
         parallel = ctypes.CDLL(None).GOMP_parallel
-    except AttributeError:
+    except (AttributeError, OSError, TypeError):  # no libgomp in the process, or no process-wide symbol lookup
         return
     callback = _ON_EACH_THREAD(function)
     parallel.argtypes = [_ON_EACH_THREAD, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
