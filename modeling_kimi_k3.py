@@ -405,8 +405,9 @@ def chunk_kda(
     Everything that does not depend on the incoming state (decayed scores, T = (I + L)^-1, U, W) is computed for all
     chunks at once; only Ṽ = U − W S and the state update run chunk by chunk. Chunks of 32 tokens rather than FLA's
     64: the per-chunk work (scores, the triangular solve) shrinks with the chunk, and on a CPU that outweighs the longer
-    chunk loop; with strong decays fewer decay products also fall into fp32's subnormal range, which is slow on x86. ``gate_lower_bound`` (every g ≥ lb)
-    sizes the sub-chunks of `kda_intra_chunk_scores`; without it the kernel assumes nothing about g.
+    chunk loop; with strong decays fewer decay products also fall into fp32's subnormal range, which is slow on x86.
+    ``gate_lower_bound`` (every g ≥ lb) sizes the sub-chunks of `kda_intra_chunk_scores`; without it the kernel
+    assumes nothing about g.
     Padding the tail with k = v = g = β = 0 leaves the state untouched, so any length works. Autocast is ignored:
     bf16 matmuls would break the fp32 state recurrence.
 

@@ -31,7 +31,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -226,8 +226,8 @@ class Operand:
     stride: tuple[int, ...]
     dtype: torch.dtype
 
-    def in_dtype(self, dtype: torch.dtype | None) -> "Operand":
-        return self if dtype is None else Operand(self.storage, self.offset, self.shape, self.stride, dtype)
+    def in_dtype(self, dtype: torch.dtype) -> "Operand":
+        return replace(self, dtype=dtype)
 
     @property
     def layout(self) -> tuple:
