@@ -19,7 +19,7 @@ from transformers.utils import logging
 logger = logging.get_logger(__name__)
 
 # The transformers releases these files are tested under (the lowest and the newest are both run by the test suite).
-SUPPORTED_TRANSFORMERS = ">=5.23,<5.25"
+SUPPORTED_TRANSFORMERS = ">=5.23,<5.26"
 
 
 def installed_transformers() -> str:
@@ -31,8 +31,10 @@ def transformers_is_supported(version: str | None = None) -> bool:
     return SpecifierSet(SUPPORTED_TRANSFORMERS).contains(version or installed_transformers(), prereleases=True)
 
 
+# transformers imports a remote-code folder's copy of this file under a module name of its own, and more than once
+# per folder; one logger name for every copy lets `warning_once` print the range warning once per process.
 if not transformers_is_supported():
-    logger.warning(
+    logging.get_logger("configuration_kimi_k3").warning_once(
         f"Kimi K3 model code is tested with transformers {SUPPORTED_TRANSFORMERS}, but {installed_transformers()} is "
         "installed; it may fail or compute differently. Install a supported version, e.g. "
         f"pip install 'transformers{SUPPORTED_TRANSFORMERS}'."

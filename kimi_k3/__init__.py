@@ -16,14 +16,10 @@ The model itself lives in the flat modules ``configuration_kimi_k3`` / ``modelin
 ``trust_remote_code``.
 """
 
-from configuration_kimi_k3 import SUPPORTED_TRANSFORMERS, installed_transformers, transformers_is_supported
+# Importing the configuration warns, once per process, where the installed transformers lies outside the tested
+# range: a user's `pip install -U transformers` must not stop every command with a traceback.
+import configuration_kimi_k3  # noqa: F401
 
 from . import moved_modules
-
-if not transformers_is_supported():
-    raise ImportError(
-        f"kimi_k3 supports transformers {SUPPORTED_TRANSFORMERS}, but {installed_transformers()} is installed: "
-        f"pip install 'transformers{SUPPORTED_TRANSFORMERS}'"
-    )
 
 moved_modules.install()

@@ -272,7 +272,8 @@ def test_declared_transformers_range_is_the_one_the_model_files_check():
     assert f'"transformers{configuration_kimi_k3.SUPPORTED_TRANSFORMERS}"' in pyproject
     assert configuration_kimi_k3.transformers_is_supported()
     assert not configuration_kimi_k3.transformers_is_supported("5.22.2")
-    assert not configuration_kimi_k3.transformers_is_supported("5.25.0")
+    assert configuration_kimi_k3.transformers_is_supported("5.25.0")
+    assert not configuration_kimi_k3.transformers_is_supported("5.26.0")
 
 
 def test_cache_field_follows_the_running_transformers():
