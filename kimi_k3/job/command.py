@@ -6,8 +6,8 @@ from kimi_k3.job.allocator import restart_under_tcmalloc
 
 def main() -> int:
     restart_under_tcmalloc()
-    # Imported after the restart, which then repeats only the package's own imports (torch and transformers, about
-    # 1.5 s on 2 cores); the job's (datasets, Trainer, ...) take about 2 s more.
+    # Imported after the restart, which then repeats only the package's own imports (torch and transformers), not
+    # the job's heavier ones (datasets, Trainer, ...).
     from kimi_k3.job.main import main as run_job
 
     return run_job()

@@ -160,7 +160,7 @@ def skip_filling_uninitialized_memory() -> None:
     ``torch.use_deterministic_algorithms(True)`` (``--full_determinism``) also makes torch fill each new tensor with
     NaN (``torch.utils.deterministic.fill_uninitialized_memory``), a guard against kernels that read memory they never
     wrote. No kernel of a training step does: the weights after the same steps are bit-identical either way, and the
-    fills were about 11% of the default step on a 2-core Xeon (benchmarks/README.md).
+    fills cost a measurable share of the default step (benchmarks/records/2026-12-01_step_profile_xeon-avx512.md).
     """
     torch.utils.deterministic.fill_uninitialized_memory = False
 

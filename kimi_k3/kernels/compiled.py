@@ -49,8 +49,8 @@ class CompiledFunction:
     One instance per function keeps one compilation cache per process instead of one per layer. Inside an
     already-compiled region the eager function is traced into the outer graph instead, and under a ``TorchDispatchMode``
     (a FLOP counter, a recorder of operators) the eager function runs, so that the mode sees its operators: a compiled
-    call under a mode leaves the function slower than eager for the rest of the process, without an error (1.1-1.2x
-    eager's time for a 2^21-element pass, torch 2.13; benchmarks/README.md). If compilation fails (no C++ compiler for
+    call under a mode leaves the function slower than eager for the rest of the process, without an error (torch 2.13;
+    benchmarks/records/2026-12-03_muon_elementwise_passes_xeon-amx.md). If compilation fails (no C++ compiler for
     inductor's CPU code, no Triton on a GPU, a Python that dynamo does not support) the eager function is used from
     then on, after one warning; the kernel's own runtime errors (e.g. out of memory) propagate.
 
@@ -58,8 +58,8 @@ class CompiledFunction:
     and compiles it with the forward (`backward_compiled_with_forward`), so that a backward that cannot be compiled
     falls back like a forward that cannot. ``static_widths=True`` compiles the last dim of every tensor argument as a
     constant, one compilation per width met, and the other dims dynamic (`leading_dims_dynamic`): for elementwise
-    kernels over a model's few fixed widths, whose vectorised loops over a dynamic innermost size ran 1.3-1.5x slower
-    (SiTU-GLU, torch 2.13). ``backend`` and ``options`` (the compiler's settings) are ``torch.compile``'s.
+    kernels over a model's few fixed widths, whose vectorised loops over a dynamic innermost size ran slower
+    (SiTU-GLU, torch 2.13; benchmarks/records/2026-12-03_situ_tanh_from_exp_xeon-amx.md). ``backend`` and ``options`` (the compiler's settings) are ``torch.compile``'s.
     """
 
     def __init__(self, function: Callable, skip_hint: str = "train with --no_fused_situ to skip the attempt",

@@ -8,7 +8,7 @@ training step. Here it is the model's own `modeling_kimi_k3.block_attention_resi
 and pseudo-query modules that carry their weights as tensors, compiled for training: AOTAutograd derives the backward
 and chooses what to keep from the forward, and inductor fuses each direction into a few loops. (The
 compiled ``torch.func.vjp`` of the mix, which recomputes it from the inputs as `kimi_k3.kernels.fused_situ` does for
-SiTU-GLU, was 1.4-1.7x slower here: `benchmarks/bench_attention_residual.py`.) The backward is compiled together with
+SiTU-GLU, was slower here: `benchmarks/bench_attention_residual.py`.) The backward is compiled together with
 the forward, so a failure to compile either falls back to the reference. `use_fused_attention_residuals(model)` swaps
 the kernel in at every module's ``attention_residual`` (the decoder layers and the model's output mix), the way
 `kimi_k3.kernels.fused_situ` serves the activation modules.

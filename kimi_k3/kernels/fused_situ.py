@@ -11,8 +11,8 @@ keeps its torch reference as the body. The routed experts hand their activation 
 kernels read its two halves in place, and the backward writes the gradient in that layout.
 
 Inside the compiled loops tanh comes from ``exp`` (`tanh_from_exp`): inductor's CPU code evaluates ``tanh`` with
-SLEEF's 1-ulp ``tanhf`` (torch 2.13), 6-9x slower per element than eager ``torch.tanh`` on 2 cores of a Xeon with
-AVX-512 and AVX2 kernels (`benchmarks/bench_situ.py`, "tanh"), slow enough that the fused pair lost to eager's dozen
+SLEEF's 1-ulp ``tanhf`` (torch 2.13), several times slower per element than eager ``torch.tanh`` (`benchmarks/
+bench_situ.py`, "tanh"; benchmarks/records/2026-12-03_situ_tanh_from_exp_xeon-amx.md), slow enough that the fused pair lost to eager's dozen
 passes at the default model's sizes; with ``exp``, which it vectorises well, the pair beats them from about 2^17
 outputs with AVX-512 kernels and 2^19 with AVX2 ones.
 """
@@ -37,9 +37,8 @@ __all__ = [
 # The smallest activation (elements of its output) worth the compiled kernels, by where they run. On a CPU the pair
 # evaluates the transcendentals twice (forward, then again in the backward), which below these sizes costs more than
 # eager's dozen passes over tensors that stay in cache, and compiling it costs seconds per process; the crossover
-# follows the vector width (`benchmarks/bench_situ.py`, "by activation size": on 2 cores of a Xeon, fused 1.17x eager
-# at 2^17 outputs and 1.8x at 2^19 with AVX-512 kernels, 0.96x at 2^18 and 1.3x at 2^19 with AVX2 ones). Elsewhere a
-# launch is what it saves.
+# follows the vector width (`benchmarks/bench_situ.py`, "by activation size"; measured in
+# benchmarks/records/2026-12-03_situ_tanh_from_exp_xeon-amx.md). Elsewhere a launch is what it saves.
 FUSED_MIN_ELEMENTS_AVX512 = 2**17
 FUSED_MIN_ELEMENTS_AVX2_OR_NARROWER = 2**19
 FUSED_MIN_ELEMENTS_ACCELERATOR = 2**17

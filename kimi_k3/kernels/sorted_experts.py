@@ -6,9 +6,9 @@ pairs' order with advanced indexing again. The backward of advanced indexing is 
 under torch's deterministic algorithms (``full_determinism``, as `kimi-k3-train` runs) sorts its indices on every
 call. Here the rows are taken with ``index_select`` and each token's k outputs are summed back with ``index_add``,
 whose backwards are an ``index_add`` and an ``index_select``: the same grouped GEMMs between them, and each token's
-outputs still summed in fp32 in one fixed order (its pairs sorted by expert, stably), so runs repeat bit for bit. The
-default training step takes about 2% less time, and the forward+backward of a MoE block at K3 sparsity about 12% less
-(``benchmarks/step_profile.py``, ``benchmarks/bench_moe.py``).
+outputs still summed in fp32 in one fixed order (its pairs sorted by expert, stably), so runs repeat bit for bit, and
+the default training step and a MoE block at K3 sparsity take less time (``benchmarks/step_profile.py``,
+``benchmarks/bench_moe.py``; benchmarks/records/2026-12-03_sorted_experts_xeon-amx.md).
 
 `use_sorted_experts(model)` swaps this in at every routed-experts module whose forward is transformers' experts
 dispatch itself (not dynamic k's, which regroups the routes first), for forwards on the ``grouped_mm`` implementation

@@ -2,8 +2,8 @@
 
 On x86, arithmetic that reads or produces a subnormal (an fp32 magnitude below 1.2e-38) takes a microcode assist and
 runs many times slower. KDA's decays e^γ reach that range once gates are strong: K3's gate lower bound of −5 lets γ fall
-to −160 within one 32-token chunk, and the chunk kernel's batched products then run up to 10x slower at the same
-shapes (benchmarks/README.md, "Subnormals"). Setting the CPU's flush-to-zero and denormals-are-zero bits removes that
+to −160 within one 32-token chunk, and the chunk kernel's batched products then run several times slower at the same
+shapes (benchmarks/records/2026-12-04_subnormals_every_thread_xeon-amx.md). Setting the CPU's flush-to-zero and denormals-are-zero bits removes that
 cost. The price is results that differ from IEEE arithmetic only where a value would have been subnormal.
 
 ``torch.set_flush_denormal`` sets the bits of the calling thread alone. ATen's OpenMP workers copy them from the thread

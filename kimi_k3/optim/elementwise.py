@@ -6,7 +6,7 @@ more to round it to bf16, and decoupled decay with the update two more, the seco
 bf16 update), torch's slowest elementwise path on a CPU. Each function below is one of these passes written as the
 plain torch expression it computes; :func:`run` calls it compiled (``torch.compile``: inductor makes one loop of it,
 with the rounding to Newton–Schulz's dtype inside) for parameters of at least :data:`COMPILED_MIN_ELEMENTS`
-elements, and eager below, where a compiled call's fixed cost (about 30 µs) is more than the passes it saves. Where
+elements, and eager below, where a compiled call's fixed cost is more than the passes it saves. Where
 the step forms its update once (one process, DDP), momentum and the update are one loop
 (:func:`momentum_and_nesterov_update_`).
 
@@ -27,10 +27,9 @@ from torch.distributed.tensor import DTensor
 
 from kimi_k3.kernels.compiled import CompiledFunction
 
-# Elements from which the compiled loops beat eager's passes on a CPU: on 2 cores of an AVX-512 Xeon a single-process
-# step's two passes over one parameter are 0.92x eager at 2^17 elements, 1.4x at 2^18 and 3x at 2^21 (`benchmarks/
-# bench_optimizer.py`, last table); the default model's expert tensors (2^20-2^21) run compiled, its attention
-# projections (2^15-2^16) eager.
+# Elements from which the compiled loops beat eager's passes on a CPU (`benchmarks/bench_optimizer.py`, last table;
+# measured in benchmarks/records/2026-12-03_muon_elementwise_passes_xeon-amx.md): the default model's expert tensors
+# (2^20-2^21) run compiled, its attention projections (2^15-2^16) eager.
 COMPILED_MIN_ELEMENTS = 2**18
 
 

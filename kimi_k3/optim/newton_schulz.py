@@ -10,10 +10,10 @@ exactly :func:`chunk_blocks` blocks of one shape, a number fixed by the shape, i
 of a shape is padded with zero blocks (zero in, zero out). The same idea as batch-invariant kernels for reproducible
 inference (He et al., "Defeating Nondeterminism in LLM Inference", Thinking Machines Lab, 2025).
 
-Chunks of about 2¹⁸ elements also keep a call's working set in cache: on 2 cores of a Xeon with AMX, the default
-model's blocks orthogonalise 1.5x faster in chunks than in one call per shape, in bf16 and fp32 alike
-(``benchmarks/bench_optimizer.py``; with libgomp's default waiting: under ``OMP_WAIT_POLICY=PASSIVE`` each of the
-step's few thousand calls wakes a sleeping thread, and chunks are slower).
+Chunks of about 2¹⁸ elements also keep a call's working set in cache, so the default model's blocks orthogonalise
+faster in chunks than in one call per shape, in bf16 and fp32 alike, under libgomp's default waiting (under
+``OMP_WAIT_POLICY=PASSIVE`` each of the step's few thousand calls wakes a sleeping thread, and chunks are slower).
+``benchmarks/bench_optimizer.py`` measures it; the figures are in benchmarks/records/.
 """
 
 from collections import Counter, defaultdict, deque
@@ -54,8 +54,8 @@ def newton_schulz5_call(x, coefficients=NS_COEFFICIENTS, steps=NS_STEPS, eps=NS_
     (S' ≈ 1) of every matrix. Each matrix is Frobenius-normalized on its own, which is what decouples the heads."""
     a, b, c = coefficients
     x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)
-    # Every product writes into buffers allocated once: on a CPU each fresh tensor is new pages to fault in, which
-    # made Newton–Schulz 1.34x slower on the default model's expert blocks. Same kernels, same bits.
+    # Every product writes into buffers allocated once: on a CPU each fresh tensor is new pages to fault in
+    # (benchmarks/records/2026-12-01_step_profile_xeon-avx512.md). Same kernels, same bits.
     gram = x.new_empty(x.shape[0], x.shape[-2], x.shape[-2])
     polynomial = torch.empty_like(gram)
     iterates = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(min(steps, 2))]

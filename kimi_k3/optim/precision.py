@@ -1,8 +1,8 @@
 """Precision the project picks by itself: bf16 only where the device multiplies bf16 matrices natively.
 
-On a CPU without AVX-512-BF16 or AMX, a bf16 matmul is emulated and runs 15-100x slower than fp32 (measured on an
-AVX2 EPYC: batched 128x128 products at 1.5 GFLOP/s in bf16 against 21 GFLOP/s in fp32), so bf16 there buys
-nothing and costs hours. CUDA GPUs from Ampere on and CPUs with AVX-512-BF16 or AMX run bf16 at least as fast as
+On a CPU without AVX-512-BF16 or AMX, a bf16 matmul is emulated and runs more than an order of magnitude slower than
+fp32 (benchmarks/records/2026-12-05_figures_from_module_docstrings_various.md), so bf16 there buys nothing and costs
+hours. CUDA GPUs from Ampere on and CPUs with AVX-512-BF16 or AMX run bf16 at least as fast as
 fp32.
 """
 

@@ -47,7 +47,7 @@ def build_model(config, device: str, lora_rank: int = 0):
     """``KimiK3ForCausalLM`` in training mode; with ``lora_rank``, peft's adapters on the attention projections. The
     model gets its own copy of ``config``: load-time sharding records the distributed setup in the model's config."""
     with torch.device(device):
-        model = KimiK3ForCausalLM(copy.deepcopy(config)).train()
+        model = causal_lm_class(config)(copy.deepcopy(config)).train()
     if lora_rank:
         from peft import LoraConfig, inject_adapter_in_model
 
@@ -107,7 +107,7 @@ def parameters_reached_by_backward(config, lora_rank: int = 0) -> set[str]:
     projection and norm, for one, never get one: they weigh earlier blocks, and layer 0 has none.)"""
     narrow = narrow_config(config)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: several threads only contend (10x slower on a busy machine)
+    torch.set_num_threads(1)  # tiny matmuls: several threads only contend, worst on a busy machine
     try:
         torch.manual_seed(0)
         model = build_model(narrow, "cpu", lora_rank)

@@ -77,8 +77,8 @@ def fake_quantize_mxfp4_reference(weight: torch.Tensor) -> torch.Tensor:
 def fake_quantize_mxfp4(weight: torch.Tensor) -> torch.Tensor:
     """The MXFP4 value of every weight: :func:`fake_quantize_mxfp4_eager` as one compiled kernel for large weights.
 
-    Eager, the quantizer is about ten memory-bound passes over the weight; inductor fuses them into one loop (about
-    10x faster on CPU at the default model's expert sizes, see benchmarks/bench_qat.py). Small weights and compiler
+    Eager, the quantizer is about ten memory-bound passes over the weight; inductor fuses them into one loop (much
+    faster on CPU at the default model's expert sizes, see benchmarks/bench_qat.py). Small weights and compiler
     failures take the eager version, which gives the same bits.
     """
     if weight.numel() < COMPILE_MIN_ELEMENTS:
