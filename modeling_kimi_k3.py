@@ -17,6 +17,7 @@ a ``KimiK3GLUActivation`` (fused kernels replace its forward), and each MLA laye
 ``docs/design.md``.
 """
 
+import copy
 import math
 import os
 import sys
@@ -30,7 +31,7 @@ from transformers import AutoModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.generation import GenerationMixin
+from transformers.generation import GenerationConfig, GenerationMixin, GenerationMode
 from transformers.integrations import use_experts_implementation
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
 from transformers.modeling_layers import (
@@ -994,7 +995,6 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     _skip_keys_device_placement = [CACHE_FIELD]
     _supports_sdpa = True
     _supports_flash_attn = False
-    _is_stateful = True
     _keep_in_fp32_modules_strict = [
         "A_log", "dt_bias", "q_conv1d", "k_conv1d", "v_conv1d", "o_norm", "e_score_correction_bias"
     ]
@@ -1220,6 +1220,25 @@ def _check_continues_the_cache(document_starts: torch.Tensor, packing: dict) -> 
         )
 
 
+def _check_not_assisted(generation_config: GenerationConfig, kwargs: dict) -> None:
+    """Assisted decoding (a draft model, prompt lookup, early exit, ...) verifies several drafted tokens in one forward
+    and rolls the cache back past the rejected ones. A KDA layer hands its cache the recurrent state after the last
+    token only, so no rollback can restore it: transformers 5.25 would crop to a wrong state and decode other tokens
+    than greedy decoding (earlier releases refused stateful models), so every release is refused here. A K3 model
+    drafting for another one (``is_assistant``) is rolled back the same way."""
+    requested = copy.deepcopy(generation_config)
+    for name, value in kwargs.items():
+        if hasattr(requested, name):
+            setattr(requested, name, value)
+    assisted = requested.get_generation_mode(kwargs.get("assistant_model")) == GenerationMode.ASSISTED_GENERATION
+    if assisted or getattr(requested, "is_assistant", False):
+        raise ValueError(
+            "Kimi K3 does not support assisted decoding (`assistant_model`, `prompt_lookup_num_tokens`, "
+            "`assistant_early_exit`, or drafting as another model's assistant): its KDA layers' recurrent state cannot "
+            "be rolled back to a rejected draft token; generate without them."
+        )
+
+
 def _check_cache_type(cache: Cache | None, config, device: torch.device) -> None:
     """KDA layers keep a recurrent state and short-conv windows, which only transformers' DynamicCache (built with
     the model config) holds; fixed-size caches (``cache_implementation="static"`` and the other static kinds) do not.
@@ -1273,6 +1292,7 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
         documents would continue its last document with the others' tokens in the cache. A model of KDA layers alone
         is refused a cache here, before transformers asks that cache for its length."""
         generation_config = kwargs.get("generation_config") or self.generation_config
+        _check_not_assisted(generation_config, kwargs)
         if not self.config.mla_layer_indices and kwargs.get("use_cache", generation_config.use_cache):
             _check_cache_type(DynamicCache(config=self.config), self.config, self.device)
         position_ids = kwargs.get("position_ids")

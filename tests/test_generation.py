@@ -77,6 +77,33 @@ def test_a_model_of_kda_layers_alone_generates_by_full_forwards_and_refuses_a_ca
             model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, use_cache=True)
 
 
+ASSISTED_DECODING = {
+    "prompt lookup of 1 token": dict(prompt_lookup_num_tokens=1),
+    "prompt lookup of 3 tokens": dict(prompt_lookup_num_tokens=3),
+    "a draft model": dict(assistant_model="draft"),
+    "a generation config asking for prompt lookup": dict(generation_config=GenerationConfig(
+        prompt_lookup_num_tokens=2, do_sample=False, max_new_tokens=6, pad_token_id=0, eos_token_id=None)),
+}
+
+
+@pytest.mark.parametrize("request_", ASSISTED_DECODING.values(), ids=ASSISTED_DECODING)
+def test_assisted_decoding_is_refused_in_one_line_under_every_transformers(model, request_):
+    """transformers 5.25 would roll the KDA state back to a wrong one and decode other tokens than greedy decoding;
+    earlier releases refuse stateful models themselves. Either way the model refuses first, with one message."""
+    if request_.get("assistant_model") == "draft":
+        request_ = {"assistant_model": KimiK3ForCausalLM(tiny_config(pad_token_id=0, eos_token_id=None)).eval()}
+    # One row (transformers drafts for one sequence only) whose n-grams repeat, so prompt lookup has drafts to verify:
+    # without the refusal, 5.25 decodes other tokens than greedy at 1 drafted token and fails in its cache at 3.
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]])
+    kwargs = dict(max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=None)
+    if "generation_config" in request_:
+        kwargs = {}
+    with torch.no_grad(), pytest.raises(ValueError) as refusal:
+        model.generate(ids, **kwargs, **request_)
+    assert str(refusal.value).startswith("Kimi K3 does not support assisted decoding (`assistant_model`")
+    assert "\n" not in str(refusal.value)
+
+
 def test_sampling_with_a_fixed_seed_is_reproducible(model):
     ids, mask = left_padded_prompts([5, 8])
     kwargs = dict(attention_mask=mask, max_new_tokens=15, do_sample=True, top_k=20, pad_token_id=0, eos_token_id=None)

@@ -97,7 +97,6 @@ BORROWED_API = [
             "_skip_keys_device_placement": "accelerate must not move the hybrid cache between devices",
             "_supports_sdpa": "MLA runs through torch's scaled_dot_product_attention",
             "_supports_flash_attn": "MLA's value width differs from its key width; flash-attn is refused",
-            "_is_stateful": "the KDA recurrent state rules out generation modes that rewind the cache",
             "_keep_in_fp32_modules_strict": "decay parameters, convs and the router bias stay fp32",
             "_keys_to_ignore_on_load_unexpected": "released folders also hold vision-tower and projector tensors; "
                                                   "strict loading leaves unread what a class names here",
