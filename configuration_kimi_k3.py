@@ -12,9 +12,14 @@ import types
 import typing
 
 from packaging.specifiers import SpecifierSet
-from transformers.configuration_utils import PreTrainedConfig
+from transformers.configuration_utils import PreTrainedConfig, SubConfigSpec
 from transformers.generation import GenerationConfig
 from transformers.utils import logging
+
+try:
+    from .configuration_kimi_k3_vision import KimiK3VisionConfig
+except ImportError:
+    from configuration_kimi_k3_vision import KimiK3VisionConfig
 
 logger = logging.get_logger(__name__)
 
@@ -71,10 +76,11 @@ AUTO_MAP = {
     "AutoModelForSequenceClassification": "modeling_kimi_k3.KimiK3ForSequenceClassification",
     "AutoModelForTokenClassification": "modeling_kimi_k3.KimiK3ForTokenClassification",
 }
-# Keys of the released multimodal wrapper that describe the vision side, the wrapper's own remote-code classes or
-# serving-time quantization only.
+# A configuration with a `vision_config` also loads as the vision-language model.
+VISION_AUTO_MAP = {"AutoModelForImageTextToText": "modeling_kimi_k3_vision.KimiK3ForConditionalGeneration"}
+# Keys of the released multimodal wrapper that repeat its `vision_config` (kept there), describe the wrapper's own
+# remote-code classes or serving-time quantization only.
 _WRAPPER_ONLY_KEYS = (
-    "vision_config",
     "media_placeholder_token_id",
     "image_placeholder",
     "ignore_index",
@@ -105,6 +111,8 @@ class KimiK3Config(PreTrainedConfig):
     """
 
     model_type = "kimi_k3"
+    # The vision tower and projector of the vision-language model; absent from the text-only model.
+    sub_configs_defaults = {"vision_config": SubConfigSpec(KimiK3VisionConfig, optional=True)}
     keys_to_ignore_at_inference = ["cache", "past_key_values"]  # the cache field under transformers >= 5.24 and before
     attribute_map = {
         "num_local_experts": "num_experts",
@@ -264,6 +272,10 @@ class KimiK3Config(PreTrainedConfig):
     layer_types: list[str] | None = None
     mlp_layer_types: list[str] | None = None
 
+    # MoonViT3d and the patch-merger projector (`configuration_kimi_k3_vision.py`), read by
+    # `KimiK3ForConditionalGeneration`; the text classes ignore it.
+    vision_config: dict | PreTrainedConfig | None = None
+
     def __post_init__(self, **kwargs):
         text_config = kwargs.pop("text_config", None)
         if text_config is not None:
@@ -277,6 +289,8 @@ class KimiK3Config(PreTrainedConfig):
             logger.info(f"Ignoring training switches that the training job owns now: {retired}")
         super().__post_init__(**kwargs)
         self.auto_map = dict(AUTO_MAP)
+        if self.vision_config is not None:
+            self.auto_map.update(VISION_AUTO_MAP)
         self._fill_variant_defaults()
         self._validate()
         self._derive_layer_types()
@@ -286,6 +300,8 @@ class KimiK3Config(PreTrainedConfig):
         """``PreTrainedConfig.to_dict`` without the variant fields that are off, so the release saves unchanged."""
         output = super().to_dict()
         output.pop(CHECKS_ASSIGNMENTS, None)
+        if output.get("vision_config", 0) is None:  # a text-only model saves as it always did
+            output.pop("vision_config")
         for name, off in VARIANT_FIELDS_OFF.items():
             if output.get(name, off) == off:
                 output.pop(name, None)
@@ -302,6 +318,10 @@ class KimiK3Config(PreTrainedConfig):
         if not isinstance(text_config, dict):
             text_config = text_config.to_dict()
         text_config = copy.deepcopy(text_config)
+        if isinstance(self.vision_config, dict):  # the wrapper's copies of the vision side's token ids
+            for key in ("media_placeholder_token_id", "ignore_index"):
+                if key in kwargs:
+                    self.vision_config.setdefault(key, kwargs[key])
         dropped = [key for key in _WRAPPER_ONLY_KEYS if kwargs.pop(key, None) is not None]
         if self.architectures is not None:
             dropped.append("architectures")
