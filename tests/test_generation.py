@@ -104,6 +104,39 @@ def test_assisted_decoding_is_refused_in_one_line_under_every_transformers(model
     assert "\n" not in str(refusal.value)
 
 
+HOST_READS = ("aten::_local_scalar_dense", "aten::item", "aten::is_nonzero")
+
+
+def host_syncs(step) -> int:
+    """How often ``step()`` itself read a tensor's value back to the host (`.item()`, `bool()`, `int()` of a tensor:
+    ``aten::_local_scalar_dense``), which waits for the device on an accelerator. Reads inside another operator are
+    that operator's CPU implementation (torch's CPU ``_grouped_mm`` reads its offsets; its CUDA kernel does not)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        step()
+    count = 0
+    for event in profile.events():
+        if event.name != HOST_READS[0]:
+            continue
+        caller = event.cpu_parent
+        while caller is not None and caller.name in HOST_READS:
+            caller = caller.cpu_parent
+        count += caller is None or not caller.name.startswith("aten::")
+    return count
+
+
+def test_training_and_decoding_forwards_never_wait_for_the_device(model):
+    """The cached length is read from an MLA layer as a Python int; transformers 5.25 counts a KDA layer's tokens in a
+    0-dim tensor. Embeddings are passed directly: token ids on a CPU are range-checked, which reads them back."""
+    embeds = model.get_input_embeddings()(torch.randint(3, 97, (2, 7))).detach()
+    labels = torch.randint(3, 97, (2, 7))
+    assert host_syncs(lambda: model(inputs_embeds=embeds, labels=labels, use_cache=True).loss.backward()) == 0
+    model.zero_grad()
+    with torch.no_grad():
+        cache = getattr(model(inputs_embeds=embeds, use_cache=True), CACHE_FIELD)
+        assert host_syncs(lambda: model(inputs_embeds=embeds[:, :1], cache=cache)) == 0
+        assert host_syncs(lambda: model(inputs_embeds=embeds[:, :3], cache=cache)) == 0
+
+
 def test_sampling_with_a_fixed_seed_is_reproducible(model):
     ids, mask = left_padded_prompts([5, 8])
     kwargs = dict(attention_mask=mask, max_new_tokens=15, do_sample=True, top_k=20, pad_token_id=0, eos_token_id=None)
