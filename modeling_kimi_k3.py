@@ -9,20 +9,20 @@ References: the Kimi K3 technical report (arXiv:2607.24653; "K3 report" below), 
 flash-linear-attention's ``fla/ops/kda`` for Kimi Delta Attention, DeepSeek-V2 (arXiv:2405.04434) for MLA, Gated
 Attention (arXiv:2505.06708), Attention Residuals (arXiv:2603.15031), and transformers' ``modeling_kimi_linear.py``.
 
-The file imports only torch, transformers and its sibling files (configuration, checkpoint formats, and, for the
-opt-in Stable LatentMoE variants only, ``variants_kimi_k3.py``), so it can be copied into a checkpoint folder and
-loaded with ``trust_remote_code=True``. Training code attaches from outside, at two seams: every SiTU-GLU runs through
+The file imports only torch, transformers and its sibling files (configuration, checkpoint formats), so it can be
+copied into a checkpoint folder and loaded with ``trust_remote_code=True``; the opt-in Stable LatentMoE variants
+subclass its classes in a file of their own, which only their folders carry. Training code attaches from outside, at two seams: every SiTU-GLU runs through
 a ``KimiK3GLUActivation`` (fused kernels replace its forward), and each MLA layer shows its queries and keys to its
 ``query_key_observer`` (QK-Clip records there). Design notes for contributors are in the repository's
 ``docs/design.md``.
 """
 
 import copy
+import importlib
+import inspect
 import math
 import os
-import sys
 from collections.abc import Callable
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +32,12 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationConfig, GenerationMixin, GenerationMode
-from transformers.integrations import use_experts_implementation
+from transformers.integrations import (
+    use_experts_implementation,
+    use_kernel_forward_from_hub,
+    use_kernel_func_from_hub_with_fallback,
+    use_kernelized_func,
+)
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
 from transformers.modeling_layers import (
     GenericForSequenceClassification,
@@ -50,6 +55,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 try:
     from .checkpoint_format_kimi_k3 import (
         STRICT_LOADING,
+        check_local_folder,
         fuse_per_expert_weights,
         hub_model_card,
         is_generic_card,
@@ -60,6 +66,7 @@ try:
 except ImportError:
     from checkpoint_format_kimi_k3 import (
         STRICT_LOADING,
+        check_local_folder,
         fuse_per_expert_weights,
         hub_model_card,
         is_generic_card,
@@ -127,8 +134,12 @@ class KeepsFloat32Tensors(nn.Module):
         return super()._apply(keep_float32, recurse=False)
 
 
+@use_kernel_forward_from_hub("RMSNorm")
 class KimiK3RMSNorm(nn.Module):
-    """RMSNorm computed in fp32, cast back to the input dtype *before* the weight multiply, as the released code."""
+    """RMSNorm computed in fp32, cast back to the input dtype *before* the weight multiply, as the released code.
+
+    A seam, as in transformers' ``kimi_linear``: ``from_pretrained(..., use_kernels=True)`` replaces the forward with
+    the hub's "RMSNorm" kernel for the device; this body is the reference."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -145,10 +156,15 @@ class KimiK3RMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
+@use_kernel_forward_from_hub("RMSNormGated")
 class KimiK3GatedRMSNorm(KeepsFloat32Tensors):
-    """Per-head RMSNorm followed by a sigmoid output gate, all in fp32 (KDA output, Kimi Linear §3)."""
+    """Per-head RMSNorm followed by a sigmoid output gate, all in fp32 (KDA output, Kimi Linear §3).
+
+    The "RMSNormGated" seam of transformers' ``kimi_linear`` (fla's fused norm and gate from the hub under
+    ``use_kernels=True``, whose forward reads ``activation``); this body is the reference."""
 
     float32_tensors = ("weight",)
+    activation = "sigmoid"
 
     def __init__(self, head_dim: int, eps: float):
         super().__init__()
@@ -470,6 +486,133 @@ def _chunk_kda(q, k, v, g, beta, initial_state, chunk_size: int, gate_lower_boun
     return output.flatten(2, 3)[:, :, :seq_len].transpose(1, 2), state
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Kernel seams, named as transformers' `modeling_kimi_linear.py` names them. Where a kernel package is installed and
+# runs on the tensors' device, the seam calls it: flash-linear-attention's Triton KDA (`fla.ops.kda`), Dao-AILab's
+# causal-conv1d; under `from_pretrained(..., use_kernels=True)` transformers' `kernels` integration may put a hub
+# kernel there instead. Everywhere else (CPUs first) the seam's torch body runs, and it keeps packed documents apart
+# inside the chunk structure, where transformers' own fallback refuses packed rows.
+# ---------------------------------------------------------------------------------------------------------------------
+# The device types each package's kernels take, as transformers 5.25 decides (ROCm tensors report "cuda").
+KERNEL_PACKAGE_DEVICE_TYPES = {"fla": ("cuda", "xpu", "mlu", "npu"), "causal_conv1d": ("cuda",)}
+# The function each package is looked up by, where transformers' seams find it.
+KERNEL_PACKAGE_ENTRY_POINTS = {"fla": ("fla.ops.kda", "chunk_kda"), "causal_conv1d": ("causal_conv1d", "causal_conv1d_fn")}
+
+
+def _imports(module: str, name: str) -> bool:
+    """Whether ``module.name`` imports; a package whose import fails (Triton without a GPU driver, say) counts as
+    absent, as in transformers' seams."""
+    try:
+        return hasattr(importlib.import_module(module), name)
+    except Exception:
+        return False
+
+
+INSTALLED_KERNEL_PACKAGES = frozenset(
+    package for package, entry_point in KERNEL_PACKAGE_ENTRY_POINTS.items() if _imports(*entry_point)
+)
+
+
+def package_kernel_runs(package: str, tensor: torch.Tensor) -> bool:
+    """Whether the seams call ``package``'s kernels for ``tensor``: installed, and on a device they run on.
+
+    Decided here rather than by transformers' decorator: before 5.25 it hands tensors on any device to an installed
+    package (a CPU tensor would reach Triton), and its torch fallback refuses packed rows, which the torch bodies here
+    keep apart by themselves. A test changes `KERNEL_PACKAGE_DEVICE_TYPES` to send CPU tensors to a stand-in."""
+    return package in INSTALLED_KERNEL_PACKAGES and tensor.device.type in KERNEL_PACKAGE_DEVICE_TYPES[package]
+
+
+def torch_body(seam: Callable) -> Callable:
+    """The torch body of a seam: the function transformers' decorators wrap (``functools.wraps`` keeps it)."""
+    return inspect.unwrap(seam)
+
+
+def _normalized_queries_keys(q, k, scale: float | None, use_qk_l2norm_in_kernel: bool):
+    """fp32 q and k, L2-normalised when asked (fla normalises in the kernel), q times ``scale`` (default K^-1/2)."""
+    q, k = upcast(q), upcast(k)
+    if use_qk_l2norm_in_kernel:
+        q, k = l2_normalize(q), l2_normalize(k)
+    return q * (q.shape[-1] ** -0.5 if scale is None else scale), k
+
+
+@use_kernel_func_from_hub_with_fallback("chunk_kda", "fla")
+def chunk_kimi_delta_attention(
+    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+    safe_gate=False, lower_bound=None, document_starts=None,
+):
+    """fla 0.6's ``chunk_kda`` call over `chunk_kda`: q, k [B, T, H, K], v [B, T, H, V], the log-decay g [B, T, H, K]
+    (computed, not in-kernel), beta [B, T, H], an fp32 state [B, H, K, V].
+
+    ``safe_gate`` with ``lower_bound`` is the caller's promise that g >= lower_bound (K3's gate), which lets the
+    chunks use sub-chunks of scores. ``document_starts`` [B, T] is this body's own: fla keeps packed documents apart
+    by ``cu_seqlens`` over a flattened batch, which transformers' decorator refuses without fla.
+    """
+    q, k = _normalized_queries_keys(q, k, scale, use_qk_l2norm_in_kernel)
+    bound = lower_bound if safe_gate else None
+    output, state = chunk_kda(
+        q, k, upcast(v), upcast(g), upcast(beta), initial_state, gate_lower_bound=bound, document_starts=document_starts
+    )
+    return output.to(v.dtype), state if output_final_state else None
+
+
+@use_kernel_func_from_hub_with_fallback("fused_recurrent_kda", "fla")
+def recurrent_kimi_delta_attention(
+    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False
+):
+    """fla 0.6's ``fused_recurrent_kda`` call over `recurrent_kda` (decoding: one sequence per row, never packed)."""
+    q, k = _normalized_queries_keys(q, k, scale, use_qk_l2norm_in_kernel)
+    output, state = recurrent_kda(q, k, upcast(v), upcast(g), upcast(beta), initial_state)
+    return output.to(v.dtype), state if output_final_state else None
+
+
+def kda_through_fla_packed(q, k, v, g, beta, initial_state, document_starts, **arguments):
+    """`chunk_kimi_delta_attention` on fla's variable-length layout: the rows flattened into one, each document a
+    sequence of ``cu_seqlens``; a row's incoming state starts its first document, and its outgoing state is its last
+    document's."""
+    batch_size, seq_len = document_starts.shape
+    sequence_starts = torch.cat([document_starts.new_ones(batch_size, 1), document_starts[:, 1:]], dim=1).flatten()
+    boundaries = torch.cat([sequence_starts.nonzero().flatten(), sequence_starts.new_tensor([sequence_starts.numel()])])
+    last_of_row = sequence_starts.view(batch_size, seq_len).sum(-1).cumsum(0) - 1
+    if initial_state is not None:
+        first_of_row = torch.cat([last_of_row.new_zeros(1), last_of_row[:-1] + 1])
+        documents = initial_state.new_zeros(boundaries.numel() - 1, *initial_state.shape[1:])
+        initial_state = documents.index_copy(0, first_of_row, initial_state)
+    flat = (x.flatten(0, 1).unsqueeze(0) for x in (q, k, v, g, beta))
+    output, state = chunk_kimi_delta_attention(
+        *flat, initial_state=initial_state, cu_seqlens=boundaries.long(), **arguments
+    )
+    return output.view(batch_size, seq_len, *output.shape[2:]), None if state is None else state[last_of_row]
+
+
+@use_kernel_func_from_hub_with_fallback("causal_conv1d_fn", "causal_conv1d")
+def causal_conv1d_fn(x, weight, bias=None, activation=None, document_positions=None):
+    """Dao-AILab causal-conv1d's ``causal_conv1d_fn`` call: the depthwise causal convolution (left zero padding) of
+    x [B, C, W] with weight [C, K], then ``activation``.
+
+    ``document_positions`` [B, T] is this body's own (each of the last T tokens' index inside its packed document):
+    it keeps every tap inside the token's document and returns those T outputs.
+    """
+    x = F.pad(x.to(weight.dtype), (weight.shape[-1] - 1, 0))
+    if document_positions is None:
+        out = F.conv1d(x, weight.unsqueeze(1), bias, groups=x.shape[1])
+    else:
+        out = _conv_within_documents(x, weight, document_positions)
+        out = out if bias is None else out + bias[:, None]
+    return out if activation is None else ACT2FN[activation](out)
+
+
+def _conv_within_documents(x: torch.Tensor, weight: torch.Tensor, document_positions: torch.Tensor) -> torch.Tensor:
+    """The sums of ``conv1d`` tap by tap, Σ_j w[K−1−j] · x[t−j] · [position_t ≥ j]: tap j reads j tokens back, and is
+    kept only where that stays inside the token's document."""
+    kernel_size, seq_len, width = weight.shape[-1], document_positions.shape[1], x.shape[-1]
+
+    def tap(lag: int) -> torch.Tensor:
+        inside = (document_positions >= lag)[:, None].to(x.dtype)
+        return weight[:, kernel_size - 1 - lag, None] * x[..., width - lag - seq_len : width - lag] * inside
+
+    return sum(tap(lag) for lag in range(kernel_size))
+
+
 class KimiK3ShortConvolution(KeepsFloat32Tensors, nn.Conv1d):
     """Depthwise causal convolution + SiLU (always SiLU, not ``hidden_act``) of KDA's q/k/v, in fp32."""
 
@@ -482,26 +625,16 @@ class KimiK3ShortConvolution(KeepsFloat32Tensors, nn.Conv1d):
         """x [B, C, context + T] -> [B, C, context + T], causal by left zero padding; one group per channel of x.
 
         ``document_positions`` [B, T] (each token's index inside its packed document) limits every output to taps
-        inside its own document; the result is then the last T outputs, [B, C, T].
+        inside its own document; the result is then the last T outputs, [B, C, T]. Through the `causal_conv1d_fn`
+        seam: causal-conv1d's kernel where it runs (whole rows), its torch body otherwise.
         """
-        x = F.pad(x.to(self.weight.dtype), (self.kernel_size[0] - 1, 0))
-        if document_positions is None:
-            return F.silu(F.conv1d(x, self.weight, groups=x.shape[1]))
-        return F.silu(self._within_documents(x, document_positions))
-
-    def _within_documents(self, x: torch.Tensor, document_positions: torch.Tensor) -> torch.Tensor:
-        """The sums of ``conv1d`` tap by tap, Σ_j w[K−1−j] · x[t−j] · [position_t ≥ j]: tap j reads j tokens back,
-        and is kept only where that stays inside the token's document."""
-        kernel_size, seq_len, width = self.kernel_size[0], document_positions.shape[1], x.shape[-1]
         weight = self.weight.squeeze(1)
-
-        def tap(lag: int) -> torch.Tensor:
-            inside = (document_positions >= lag)[:, None].to(x.dtype)
-            return weight[:, kernel_size - 1 - lag, None] * x[..., width - lag - seq_len : width - lag] * inside
-
-        return sum(tap(lag) for lag in range(kernel_size))
+        if document_positions is None and package_kernel_runs("causal_conv1d", x):
+            return causal_conv1d_fn(x.to(weight.dtype), weight, activation="silu")
+        return torch_body(causal_conv1d_fn)(x, weight, activation="silu", document_positions=document_positions)
 
 
+@use_kernelized_func([chunk_kimi_delta_attention, recurrent_kimi_delta_attention, causal_conv1d_fn])
 class KimiK3DeltaAttention(KeepsFloat32Tensors):
     """Kimi Delta Attention with K3's lower-bounded sigmoid decay and full-rank output gate (K3 report §2.1)."""
 
@@ -573,21 +706,32 @@ class KimiK3DeltaAttention(KeepsFloat32Tensors):
             g = g * valid[..., None, None]
             beta = beta * valid[..., None]
 
-        q = l2_normalize(upcast(q)) * self.head_dim**-0.5
-        k = l2_normalize(upcast(k))
-        if previous_state is not None and seq_len == 1:
-            kernel = recurrent_kda
-        else:
-            kernel = partial(chunk_kda, gate_lower_bound=self.gate_lower_bound)
-        core, final_state = kernel(
-            q, k, upcast(v), g, beta, initial_state=previous_state, document_starts=document_starts
-        )
+        core, final_state = self.delta_rule(q, k, upcast(v), g, beta, previous_state, document_starts, cache is not None)
         if cache is not None:
             cache.update_recurrent_state(final_state, self.layer_idx)
 
         gate = self.g_proj(hidden_states).reshape(head_shape)
         output = self.o_norm(core, gate).reshape(batch_size, seq_len, -1)
         return self.o_proj(output), None
+
+    def delta_rule(self, q, k, v, g, beta, previous_state, document_starts, keep_state: bool):
+        """The KDA recurrence through the seams, with K3's arguments mapped onto fla's: q and k L2-normalised in the
+        kernel and q scaled by head_dim^-1/2, the computed gate with its lower bound (``safe_gate``), the cached state
+        in and out, packed documents as ``cu_seqlens``. fla's kernels where `package_kernel_runs`, else the torch
+        bodies (which reset the state at ``document_starts`` themselves)."""
+        with_fla = package_kernel_runs("fla", q)
+        arguments = {"scale": self.head_dim**-0.5, "initial_state": previous_state, "output_final_state": keep_state,
+                     "use_qk_l2norm_in_kernel": True}
+        if previous_state is not None and q.shape[1] == 1:
+            decode = recurrent_kimi_delta_attention if with_fla else torch_body(recurrent_kimi_delta_attention)
+            return decode(q, k, v, g, beta, **arguments)
+        arguments.update(safe_gate=True, lower_bound=self.gate_lower_bound)
+        if not with_fla:
+            return torch_body(chunk_kimi_delta_attention)(q, k, v, g, beta, document_starts=document_starts, **arguments)
+        if document_starts is None:
+            return chunk_kimi_delta_attention(q, k, v, g, beta, **arguments)
+        arguments.pop("initial_state")
+        return kda_through_fla_packed(q, k, v, g, beta, previous_state, document_starts, **arguments)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -848,13 +992,21 @@ class KimiK3Experts(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        combined = upcast(hidden_states.new_zeros(hidden_states.shape))
-        for expert in top_k_index.unique().tolist():
-            token_idx, slot = torch.where(top_k_index == expert)
-            expert_out = F.linear(hidden_states[token_idx], self.gate_up_proj[expert])
-            expert_out = F.linear(self._apply_gate(expert_out), self.down_proj[expert])
-            combined.index_add_(0, token_idx, upcast(expert_out) * top_k_weights[token_idx, slot, None])
-        return combined.to(hidden_states.dtype)
+        return per_expert_loop(
+            self.gate_up_proj, self.down_proj, self._apply_gate, hidden_states, top_k_index, top_k_weights
+        )
+
+
+def per_expert_loop(gate_up_proj, down_proj, apply_gate, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+    """The routed experts one at a time, combined in fp32: the reference the experts backends are tested against,
+    a function of the fused tensors so that experts which materialise them (a shared basis) run it too."""
+    combined = upcast(hidden_states.new_zeros(hidden_states.shape))
+    for expert in top_k_index.unique().tolist():
+        token_idx, slot = torch.where(top_k_index == expert)
+        expert_out = F.linear(hidden_states[token_idx], gate_up_proj[expert])
+        expert_out = F.linear(apply_gate(expert_out), down_proj[expert])
+        combined.index_add_(0, token_idx, upcast(expert_out) * top_k_weights[token_idx, slot, None])
+    return combined.to(hidden_states.dtype)
 
 
 class KimiK3SparseMoeBlock(nn.Module):
@@ -923,8 +1075,6 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
             self.self_attention_res_norm = KimiK3RMSNorm(hidden_size, eps=eps)
             self.mlp_res_proj = KimiK3PseudoQuery(hidden_size)
             self.mlp_res_norm = KimiK3RMSNorm(hidden_size, eps=eps)
-        if config.enabled_variants:
-            build_variants(self, config)
 
     # The AttnRes seam: ``kimi_k3.kernels.fused_attention_residual`` swaps in compiled kernels for training.
     attention_residual = staticmethod(block_attention_residual)
@@ -970,22 +1120,6 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         return block_sum + self.feed_forward(ffn_input), snapshot
 
 
-def variants_module():
-    """``variants_kimi_k3.py``, the opt-in Stable LatentMoE variants, imported only for a config that enables one:
-    beside this file as remote code, or installed. Spelt ``from .variants_kimi_k3 import ...``: transformers' scan for
-    the files ``save_pretrained`` copies beside this one recognises that form, not ``from . import ...``."""
-    try:
-        from .variants_kimi_k3 import build_layer_variants
-    except ImportError:
-        from variants_kimi_k3 import build_layer_variants
-    return sys.modules[build_layer_variants.__module__]
-
-
-def build_variants(layer: KimiK3DecoderLayer, config: KimiK3Config) -> None:
-    """Swap the opt-in Stable LatentMoE variants into ``layer``; the release uses none."""
-    variants_module().build_layer_variants(layer, config)
-
-
 class KimiK3PreTrainedModel(PreTrainedModel):
     config: KimiK3Config
     config_class = KimiK3Config
@@ -1007,20 +1141,33 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         "attentions": OutputRecorder(KimiK3MLAAttention, index=1),
     }
 
-    def post_init(self):
-        super().post_init()
-        if self.config.enabled_variants:  # a variant's own fp32 tensors, kept so for this model only
-            self._keep_in_fp32_modules_strict.update(variants_module().strict_float32_tensors(self.config))
+    # Whether the class builds the opt-in Stable LatentMoE variants (their subclasses do; this file builds none).
+    builds_variants = False
+
+    def __init__(self, config: KimiK3Config, *inputs, **kwargs):
+        enabled = getattr(config, "enabled_variants", ())
+        if enabled and not self.builds_variants:
+            # Built here, the released modules would stand in for the variant's and compute other numbers.
+            raise ValueError(
+                f"The config switches on {', '.join(enabled)}, which {type(self).__name__} does not build: use the "
+                "variant classes (KimiK3VariantForCausalLM, KimiK3VariantModel), or AutoModelForCausalLM with "
+                "trust_remote_code=True on a folder saved from one."
+            )
+        super().__init__(config, *inputs, **kwargs)
 
     @classmethod
     def from_pretrained(cls, *args, strict: bool = True, **kwargs):
         """transformers' ``from_pretrained``, refusing a checkpoint that does not hold exactly the model's tensors.
 
-        Missing, unexpected or mis-shaped tensors, integer or boolean tensors where the model holds floats, and MXFP4
-        scales that decode to NaN or infinity are named in one ``ValueError`` before any tensor is read.
+        A local folder's files (config, shard index, every shard it names) must be regular files inside the folder
+        (`check_local_folder`). Missing, unexpected or mis-shaped tensors, integer or boolean tensors where the model
+        holds floats, and MXFP4 scales that decode to NaN or infinity are named in one ``ValueError`` before any tensor is read.
         ``strict=False`` gives transformers' own lenient behaviour: missing tensors are initialised at random and
         reported in a warning table, stored dtypes are cast.
         """
+        folder = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        if isinstance(folder, (str, os.PathLike)) and os.path.isdir(folder):
+            check_local_folder(os.path.join(folder, kwargs.get("subfolder") or ""))
         token = STRICT_LOADING.set(strict)
         try:
             return super().from_pretrained(*args, **kwargs)
@@ -1068,8 +1215,6 @@ class KimiK3PreTrainedModel(PreTrainedModel):
             init.zeros_(module.mlp_res_proj.weight)
         elif isinstance(module, KimiK3Model) and module.output_attn_res_proj is not None:
             init.zeros_(module.output_attn_res_proj.weight)
-        if hasattr(module, "init_variant_weights"):  # the opt-in variants' own tensors (variants_kimi_k3.py)
-            module.init_variant_weights(std)
 
 
 class KimiK3Model(KimiK3PreTrainedModel):
@@ -1078,12 +1223,14 @@ class KimiK3Model(KimiK3PreTrainedModel):
     first element of its output state), and ``last_hidden_state`` the normed final mix of all blocks.
     """
 
+    decoder_layer_class = KimiK3DecoderLayer  # what subclasses override to build other layers
+
     def __init__(self, config: KimiK3Config):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList(
-            [KimiK3DecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+            [self.decoder_layer_class(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
         if config.attn_res_block_size is not None:
             self.output_attn_res_proj = KimiK3PseudoQuery(config.hidden_size)
@@ -1114,7 +1261,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         _check_cache_type(cache, self.config, inputs_embeds.device)
-        past_length = cache.get_seq_length() if cache is not None else 0
+        past_length = _cached_length(cache, self.config)
         self._check_lengths(inputs_embeds, attention_mask, cache, past_length)
         document_starts = packed_document_starts(inputs_embeds, attention_mask, position_ids, kwargs)
         if document_starts is not None and past_length > 0:
@@ -1266,6 +1413,15 @@ def _check_cache_type(cache: Cache | None, config, device: torch.device) -> None
         )
 
 
+def _cached_length(cache: Cache | None, config) -> int:
+    """The number of cached tokens, as a Python int read from the first MLA layer's keys: transformers 5.25 counts a
+    linear-attention layer's tokens in a 0-dim tensor, which the default ``get_seq_length()`` (layer 0, a KDA layer
+    here) returns, and every comparison with it would wait for the device in each training and decoding step."""
+    if cache is None:
+        return 0
+    return int(cache.get_seq_length(config.mla_layer_indices[0]))
+
+
 def _cache_batch_size(cache: Cache | None) -> int | None:
     if cache is None:
         return None
@@ -1279,10 +1435,11 @@ def _cache_batch_size(cache: Cache | None) -> int | None:
 class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}  # the model's plan is KimiK3Config.base_model_tp_plan
+    base_model_class = KimiK3Model  # what subclasses override to build another decoder stack
 
     def __init__(self, config: KimiK3Config):
         super().__init__(config)
-        self.model = KimiK3Model(config)
+        self.model = self.base_model_class(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
