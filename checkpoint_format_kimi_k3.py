@@ -516,17 +516,19 @@ def match_checkpoint_tensors(
     through, for transformers to initialise anew (a classifier with another number of labels).
     An expert counts as MXFP4 exactly when its `weight_packed` exists: the release's `quantization_config.ignore`
     list does not name every dense tensor. A longer 1-D `A_log` must be zero past num_heads.
-    Vision and projector tensors are skipped, with one log line.
+    Vision and projector tensors (never under the text prefix) are expected when ``expected`` names them (the
+    vision-language model), else skipped with one log line.
     """
     prefix = RELEASE_TEXT_PREFIX if any(name.startswith(RELEASE_TEXT_PREFIX) for name in entries) else ""
+    sees = any(name.startswith(RELEASE_MULTIMODAL_PREFIXES) for name in expected)
     skipped = Counter(p for name in entries for p in RELEASE_MULTIMODAL_PREFIXES if name.startswith(p))
-    if skipped:
+    if skipped and not sees:
         counts = ", ".join(f"{skipped[p]} {p}* tensors" for p in RELEASE_MULTIMODAL_PREFIXES if skipped[p])
         logger.warning(f"Skipping the multimodal part of the checkpoint (the text model has no use for it): {counts}.")
-    unclaimed = {name for name in entries if not name.startswith(RELEASE_MULTIMODAL_PREFIXES)}
+    unclaimed = {name for name in entries if sees or not name.startswith(RELEASE_MULTIMODAL_PREFIXES)}
     sources, problems = {}, []
     for name, shape in expected.items():
-        key = prefix + name
+        key = name if name.startswith(RELEASE_MULTIMODAL_PREFIXES) else prefix + name
         if ROUTED_EXPERT_WEIGHT.search(name) and f"{key}_packed" in entries:
             stored = (f"{key}_packed", f"{key}_scale")
             problems += _mxfp4_problems(entries, stored, shape, read_tensor)
