@@ -19,7 +19,3 @@ The model itself lives in the flat modules ``configuration_kimi_k3`` / ``modelin
 # Importing the configuration warns, once per process, where the installed transformers lies outside the tested
 # range: a user's `pip install -U transformers` must not stop every command with a traceback.
 import configuration_kimi_k3  # noqa: F401
-
-from . import moved_modules
-
-moved_modules.install()

@@ -1,4 +1,4 @@
-"""``kimi-k3-ablate`` / ``scripts/ablate.py``: run an ablation matrix of training jobs and write its report.
+"""``kimi-k3-ablate``: run an ablation matrix of training jobs and write its report.
 
     kimi-k3-ablate --preset quick                                    # ~25 min on 2 CPU cores
     kimi-k3-ablate --preset full --output_dir ablations/full         # hours; rerun the same command to continue

@@ -192,7 +192,7 @@ def train(run: PlannedRun, progress: Progress) -> str | None:
 
 def job_environment() -> dict[str, str]:
     """The environment with this code's own folder first on PYTHONPATH, so the job runs the code the runner runs (a
-    checkout's scripts/ablate.py without an install, or a checkout beside an installed copy)."""
+    checkout run without an install, or a checkout beside an installed copy)."""
     here = str(Path(kimi_k3.__file__).resolve().parents[1])
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
 

@@ -14,11 +14,9 @@ import sys
 from pathlib import Path
 
 from kimi_k3.checkpoint.release_format import DEFAULT_MAX_SHARD_BYTES, export_released, import_released
-from kimi_k3.command_line import command_arguments, respelled
 
 PROG = "kimi-k3-convert"
 DIRECTIONS = {"to-release": export_released, "from-release": import_released}
-RENAMED_OPTIONS = {"--max-shard-size": "--max_shard_size", "--no-progress": "--no_progress"}
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -43,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max_shard_size", type=parse_size, default=DEFAULT_MAX_SHARD_BYTES, help="largest output shard (default 5GiB)"
     )
     parser.add_argument("--no_progress", action="store_true", help="hide the progress bar")
-    return parser.parse_args(respelled(command_arguments(argv), RENAMED_OPTIONS, PROG))
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""The ``kimi-k3-train`` command (and ``scripts/train.py``): the job of `kimi_k3.job.main`, in a process that
+"""The ``kimi-k3-train`` command (and ``python -m kimi_k3.job``): the job of `kimi_k3.job.main`, in a process that
 `restart_under_tcmalloc` may first have replaced with one running under TCMalloc."""
 
 from kimi_k3.job.allocator import restart_under_tcmalloc

@@ -1,4 +1,4 @@
-"""Pre-train or fine-tune a Kimi K3 model with ``transformers.Trainer``: ``kimi-k3-train`` / ``scripts/train.py``.
+"""Pre-train or fine-tune a Kimi K3 model with ``transformers.Trainer``: ``kimi-k3-train`` / ``python -m kimi_k3.job``.
 
 ``main`` reads top-down: arguments -> data -> tokenizer -> model -> optimizer and callbacks -> Trainer -> save, card,
 push. The defaults train the default ``KimiK3Config()`` on the embedded corpus in a few minutes on a 2-core CPU with

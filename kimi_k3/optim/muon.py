@@ -185,7 +185,7 @@ class PerHeadMuon(torch.optim.Optimizer):
     @classmethod
     def for_model(cls, model, lr=1e-3, weight_decay=0.1, adamw_lr=None, adamw_betas=(0.9, 0.95), adamw_eps=1e-8,
                   momentum=0.95, nesterov=True, split_kv=True, ns_dtype="auto", split_newton_schulz=True,
-                  qk_clip_tau=None, per_head=True):
+                  per_head=True):
         """Build the optimizer for a Kimi K3 model with the parameter split of `build_param_groups`.
 
         ``adamw_lr`` defaults to ``lr``: Moonlight RMS matching makes one lr fit both halves. ``split_kv=True``
@@ -195,11 +195,6 @@ class PerHeadMuon(torch.optim.Optimizer):
         rescales the K rows alone. ``per_head=False`` is plain Muon on the attention projections: each Q, K, V (MLA's
         fused kv_b_proj included) orthogonalised as one whole matrix, the baseline Per-Head Muon is compared with.
         """
-        if qk_clip_tau is not None:
-            raise TypeError(
-                "PerHeadMuon.for_model no longer takes qk_clip_tau: attach QK-Clip to the optimizer instead, "
-                "QKClip(model, tau).attach(optimizer) (kimi_k3.policies.qk_clip), or QKClipCallback(tau) under Trainer"
-            )
         _refuse_lora_adapters(model)
         groups = build_param_groups(model, weight_decay=weight_decay, adamw_lr=adamw_lr, split_kv=split_kv,
                                     per_head=per_head)

@@ -16,7 +16,6 @@ from pathlib import Path
 from transformers.hf_argparser import string_to_bool
 
 from configuration_kimi_k3 import KimiK3Config
-from kimi_k3.command_line import command_arguments, respelled
 from kimi_k3.job.arguments import parse_qk_clip_tau
 from kimi_k3.planning.plan import (
     DTYPE_BYTES,
@@ -32,19 +31,9 @@ OPTIMIZER_NAMES = {"muon": "Per-Head Muon", "adamw": "AdamW"}
 
 
 PROG = "kimi-k3-plan"
-# The training job's spellings (`kimi-k3-train`, TrainingArguments); the old ones keep working for one release.
-RENAMED_OPTIONS = {
-    "--world-size": "--world_size", "--max-world-size": "--max_world_size", "--gpus-per-node": "--gpus_per_node",
-    "--gpu-memory-gb": "--gpu_memory_gb", "--reserved-gb": "--reserved_gb",
-    "--micro-batch": "--per_device_train_batch_size", "--seq-len": "--block_size",
-    "--grad-accum": "--gradient_accumulation_steps", "--no-gradient-checkpointing": "--gradient_checkpointing=false",
-    "--param-dtype": "--param_dtype", "--compute-dtype": "--compute_dtype", "--grad-dtype": "--grad_dtype",
-    "--optimizer-dtype": "--optimizer_dtype", "--ns-dtype": "--muon_ns_dtype", "--lora-rank": "--lora_rank",
-    "--no-qk-clip": "--qk_clip_tau=none",
-}  # fmt: skip
-# The job's names for the planner's choices.
-OPTIMIZER_SPELLINGS = {"per_head_muon": "muon", "muon": "muon", "adamw": "adamw"}
-NS_DTYPE_SPELLINGS = {"bfloat16": "bf16", "bf16": "bf16", "float32": "fp32", "fp32": "fp32"}
+# The training job's names (`kimi-k3-train`) for the planner's choices.
+OPTIMIZER_SPELLINGS = {"per_head_muon": "muon", "adamw": "adamw"}
+NS_DTYPE_SPELLINGS = {"bfloat16": "bf16", "float32": "fp32"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -68,20 +57,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     run.add_argument("--gradient_checkpointing", type=string_to_bool, default=True, help="true (default) or false")
     for name, default in (("param", "fp32"), ("compute", "bf16"), ("grad", "fp32"), ("optimizer", "fp32")):
         run.add_argument(f"--{name}_dtype", default=default, choices=tuple(DTYPE_BYTES))
-    run.add_argument("--muon_ns_dtype", default="bf16", type=_spelled(NS_DTYPE_SPELLINGS, "--muon_ns_dtype"),
-                     help="Per-Head Muon's Newton–Schulz precision: bfloat16 (bf16, the default: GPUs multiply it "
-                          "natively) or float32 (fp32)")
+    run.add_argument("--muon_ns_dtype", default="bfloat16", type=_spelled(NS_DTYPE_SPELLINGS, "--muon_ns_dtype"),
+                     help="Per-Head Muon's Newton–Schulz precision: bfloat16 (the default: GPUs multiply it "
+                          "natively) or float32")
     run.add_argument("--optimizer", default="per_head_muon", type=_spelled(OPTIMIZER_SPELLINGS, "--optimizer"),
                      help="per_head_muon (default) or adamw")
     run.add_argument("--lora_rank", type=int, default=0, help="0: full fine-tuning")
-    run.add_argument("--qat", nargs="?", const="mxfp4", choices=("mxfp4",),
+    run.add_argument("--qat", choices=("mxfp4",),
                      help="mxfp4: quantization-aware training of the experts")
     run.add_argument("--qk_clip_tau", default="100", help="QK-Clip's threshold; 0 or none: off (as kimi-k3-train)")
     check = parser.add_argument_group("verification")
     check.add_argument("--verify", action="store_true", help="check the counts against the real sharding (meta device)")
     check.add_argument("--sharding", choices=("accelerate", "transformers"),
                        help="sharding path to verify (default: transformers with ep > 1, else shard_decoder_layers)")
-    args = parser.parse_args(respelled(command_arguments(argv), RENAMED_OPTIONS, PROG))
+    args = parser.parse_args(argv)
     if args.search == (args.world_size is not None):
         parser.error("give exactly one of --world_size N and --search")
     try:

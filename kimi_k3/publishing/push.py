@@ -18,7 +18,6 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from kimi_k3.command_line import command_arguments, respelled
 from kimi_k3.publishing import hub
 from kimi_k3.publishing.model_card import (
     card_for_folder,
@@ -29,10 +28,6 @@ from kimi_k3.publishing.model_card import (
 )
 
 PROG = "kimi-k3-push"
-RENAMED_OPTIONS = {
-    "--repo_id": "--hub_model_id", "--token": "--hub_token", "--revision": "--hub_revision",
-    "--private": "--hub_private_repo",
-}  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--license_link", default=None, help="URL of a custom license's text (--license other)")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="seconds to wait for the hub to connect and for each read or write (default: 60)")
-    return parser.parse_args(respelled(command_arguments(argv), RENAMED_OPTIONS, PROG))
+    return parser.parse_args(argv)
 
 
 def prepare_card(readme: Path, repo_id: str, license_fields: dict) -> None:

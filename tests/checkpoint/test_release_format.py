@@ -90,19 +90,6 @@ def representable(tmp_path_factory, ids) -> Exported:
     return Exported(model(ids).logits, ours, released)
 
 
-def test_convert_options_spelled_as_before_work_for_one_release_naming_the_new_spelling(representable, tmp_path,
-                                                                                        capsys):
-    old = ["from-release", str(representable.released), str(tmp_path / "ours"), "--max-shard-size=30KB", "--no-progress"]
-    assert convert_main(old) == 0
-    assert capsys.readouterr().err.strip().splitlines() == [
-        "kimi-k3-convert: warning: --max-shard-size is now spelled --max_shard_size; the old spelling goes away in the "
-        "next release",
-        "kimi-k3-convert: warning: --no-progress is now spelled --no_progress; the old spelling goes away in the next "
-        "release",
-    ]
-    assert len(list((tmp_path / "ours").glob("*.safetensors"))) > 1  # 30 KB shards
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # MXFP4
 # ---------------------------------------------------------------------------------------------------------------------

@@ -331,11 +331,6 @@ def test_frozen_head_projections_are_refused(config):
         PerHeadMuon.for_model(model)
 
 
-def test_for_model_refuses_the_retired_qk_clip_argument_naming_its_replacement():
-    with pytest.raises(TypeError, match=r"QKClip\(model, tau\)\.attach\(optimizer\)"):
-        PerHeadMuon.for_model(KimiK3ForCausalLM(tiny_config()), qk_clip_tau=100.0)
-
-
 def _four_layer_config(**overrides):
     """KDA, MLA, KDA, MLA: every parameter kind at a third of the tiny model's step time, for Trainer runs."""
     layers = {"kda_layers": [1, 3], "full_attn_layers": [2, 4]}

@@ -158,7 +158,7 @@ def test_fsdp2_config_on_cpu_says_in_one_line_that_ddp_runs_and_the_card_records
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP2_CONFIG),
         "--num_processes", str(scenarios.WORLD_SIZE), "--main_process_port", str(free_port()),
-        str(ROOT / "scripts" / "train.py"), *args,
+        "-m", "kimi_k3.job", *args,
     ]
     output = run_processes(command, LAUNCH_TIMEOUT_S)
     runs = f"DDP over {scenarios.WORLD_SIZE} CPU processes (gloo), each holding the whole model"

@@ -181,21 +181,13 @@ def test_bad_layouts_get_one_line_before_anything_is_instantiated(monkeypatch, c
     assert message in err and err.count("\n") == 1
 
 
-def test_the_old_option_spellings_give_the_same_plan_each_announced_once(capsys):
-    new = ["--config", "small", "--world_size", "2", "--block_size", "64", "--per_device_train_batch_size", "2",
-           "--gradient_checkpointing", "false", "--muon_ns_dtype", "float32", "--qk_clip_tau", "none",
-           "--optimizer", "per_head_muon", "--qat", "mxfp4"]
-    old = ["--config", "small", "--world-size", "2", "--seq-len", "64", "--micro-batch", "2",
-           "--no-gradient-checkpointing", "--ns-dtype", "fp32", "--no-qk-clip", "--optimizer", "muon", "--qat"]
-    assert plan_parallel.main(new) == 0
+def test_the_planner_takes_the_training_jobs_option_spellings(capsys):
+    options = ["--config", "small", "--world_size", "2", "--block_size", "64", "--per_device_train_batch_size", "2",
+               "--gradient_checkpointing", "false", "--muon_ns_dtype", "float32", "--qk_clip_tau", "none",
+               "--optimizer", "per_head_muon", "--qat", "mxfp4"]
+    assert plan_parallel.main(options) == 0
     planned = capsys.readouterr()
     assert planned.err == "" and "checkpointing off" in planned.out and "MXFP4 QAT" in planned.out
-    assert plan_parallel.main(old) == 0
-    again = capsys.readouterr()
-    assert again.out == planned.out
-    warnings = again.err.splitlines()
-    assert len(warnings) == 6 and all(line.startswith("kimi-k3-plan: warning: --") for line in warnings)
-    assert "--ns-dtype is now spelled --muon_ns_dtype" in again.err
 
 
 def test_config_the_model_refuses_gets_one_line(tmp_path, capsys):

@@ -9,7 +9,6 @@ import inspect
 import json
 import os
 import re
-import runpy
 import shutil
 import socket
 import subprocess
@@ -28,17 +27,19 @@ from huggingface_hub.utils import filter_repo_objects
 
 from kimi_k3.publishing import hub
 from kimi_k3.publishing.model_card import is_our_card, metadata_problems
+from kimi_k3.publishing.push import main as push_main
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from tests.conftest import tiny_config
 from kimi_k3.job.expert_load import matplotlib_available
 from tests.conftest import TINY_CONFIG
 from tests.job.test_train import generate_in_fresh_process, run_main, sampled_continuation, tiny_args, write_corpus
+from variants_kimi_k3 import KimiK3VariantForCausalLM
 
 REPO = Path(__file__).resolve().parents[2]
 REPO_ID = "someone/kimi-k3-tiny"
 MODEL_FILES = {
     "README.md", "checkpoint_format_kimi_k3.py", "config.json", "configuration_kimi_k3.py", "generation_config.json", "model.safetensors",
-    "modeling_kimi_k3.py", "tokenizer.json", "tokenizer_config.json", "variants_kimi_k3.py",
+    "modeling_kimi_k3.py", "tokenizer.json", "tokenizer_config.json",
 }  # fmt: skip
 # The training job's model/ folder also holds the card's picture (a checkpoint-N folder does not).
 TRAINED_MODEL_FILES = MODEL_FILES | ({"expert_load.png"} if matplotlib_available() else set())
@@ -196,10 +197,6 @@ def test_model_push_to_hub_of_a_trained_folder_uploads_its_card_and_keeps_a_card
     assert ModelCard.load(transformers_hub.root / "someone" / "again" / "README.md").text.strip() == "# Mine"
 
 
-def push_script_main():
-    return runpy.run_path(str(REPO / "scripts" / "push_to_hub.py"))["main"]
-
-
 def test_push_uploads_code_config_weights_tokenizer_and_our_card(pushed):
     run, remote, api = pushed
     assert [name for name, _ in api.calls] == ["whoami", "create_repo", "upload_folder"]  # the token before training
@@ -220,7 +217,7 @@ def test_push_script_publishes_checkpoint_with_new_card_and_without_trainer_stat
     shutil.copytree(pushed[0] / "checkpoint-2", checkpoint)
     assert {"optimizer.pt", "rng_state.pth", "trainer_state.json"} <= {path.name for path in checkpoint.iterdir()}
 
-    assert push_script_main()([str(checkpoint), "--hub_model_id", "someone/checkpoint", "--hub_private_repo"]) == 0
+    assert push_main([str(checkpoint), "--hub_model_id", "someone/checkpoint", "--hub_private_repo"]) == 0
     remote = fake_hub.root / "someone" / "checkpoint"
     assert {path.name for path in remote.iterdir()} == MODEL_FILES
     assert fake_hub.calls[0] == ("create_repo", {"private": True, "exist_ok": True})
@@ -232,10 +229,9 @@ def test_push_script_publishes_checkpoint_with_new_card_and_without_trainer_stat
     "spoil, message",
     [
         (lambda folder: (folder / "modeling_kimi_k3.py").unlink(), "missing ['modeling_kimi_k3.py']"),
-        (lambda folder: (folder / "variants_kimi_k3.py").unlink(), "missing ['variants_kimi_k3.py']"),
         (lambda folder: (folder / "README.md").write_text("# Model Card for Model ID\n"), "not a Kimi K3 model card"),
     ],
-    ids=["incomplete folder", "file the model code imports", "generic card"],
+    ids=["incomplete folder", "generic card"],
 )
 def test_push_refuses_unpublishable_folder_before_creating_the_repo(pushed, fake_hub, tmp_path, spoil, message):
     folder = tmp_path / "model"
@@ -244,6 +240,18 @@ def test_push_refuses_unpublishable_folder_before_creating_the_repo(pushed, fake
     with pytest.raises(hub.HubError, match=re.escape(message)):
         hub.push_folder(folder, REPO_ID, fake_hub)
     assert fake_hub.calls == []
+
+
+def test_a_variant_folder_needs_the_variants_file_its_auto_map_names(tmp_path):
+    KimiK3VariantForCausalLM(tiny_config(expert_basis_size=3)).save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert hub.remote_code_files(tmp_path) == [
+        "checkpoint_format_kimi_k3.py", "configuration_kimi_k3.py", "modeling_kimi_k3.py", "variants_kimi_k3.py"
+    ]
+    hub.check_model_files(tmp_path)
+    (tmp_path / "variants_kimi_k3.py").unlink()
+    with pytest.raises(hub.HubError, match=re.escape("missing ['variants_kimi_k3.py']")):
+        hub.check_model_files(tmp_path)
 
 
 def test_push_script_without_token_exits_nonzero_naming_offline_mode_first_and_writes_nothing(
@@ -258,12 +266,12 @@ def test_push_script_without_token_exits_nonzero_naming_offline_mode_first_and_w
 
     # No token would help while offline mode refuses every push, so that comes first.
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    assert push_script_main()([str(checkpoint), "--hub_model_id", REPO_ID]) == 2
+    assert push_main([str(checkpoint), "--hub_model_id", REPO_ID]) == 2
     error = capsys.readouterr().err
     assert error == "kimi-k3-push: error: cannot push while HF_HUB_OFFLINE is set: unset it (or set HF_HUB_OFFLINE=0) and rerun\n"
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    assert push_script_main()([str(checkpoint), "--hub_model_id", REPO_ID]) == 2
+    assert push_main([str(checkpoint), "--hub_model_id", REPO_ID]) == 2
     error = capsys.readouterr().err
     assert "needs a token: pass --hub_token, set HF_TOKEN" in error
     assert sorted(path.name for path in checkpoint.iterdir()) == before
@@ -276,7 +284,7 @@ def test_push_script_publishes_the_card_under_the_repo_id_it_pushes_to(fake_hub,
     local = ModelCard.load(tmp_path / "run" / "model" / "README.md")
     assert local.data.model_name == "run" and 'from_pretrained("path/to/model"' in local.text
 
-    assert push_script_main()([str(tmp_path / "run" / "model"), "--hub_model_id", "someone/renamed"]) == 0
+    assert push_main([str(tmp_path / "run" / "model"), "--hub_model_id", "someone/renamed"]) == 0
     card = ModelCard.load(fake_hub.root / "someone" / "renamed" / "README.md")
     assert card.data.model_name == "someone/renamed" and "\n# someone/renamed\n" in card.text
     assert card.text.count('from_pretrained("someone/renamed", trust_remote_code=True)') == 2
@@ -285,7 +293,7 @@ def test_push_script_publishes_the_card_under_the_repo_id_it_pushes_to(fake_hub,
 
 
 def test_push_script_commits_to_a_new_branch_or_opens_a_pull_request(pushed, fake_hub, capsys):
-    model, push = str(pushed[0] / "model"), push_script_main()
+    model, push = str(pushed[0] / "model"), push_main
     assert push([model, "--hub_model_id", REPO_ID, "--hub_revision", "lr-sweep"]) == 0
     assert fake_hub.calls[1] == ("create_branch", {"branch": "lr-sweep", "exist_ok": True})
     assert {path.name for path in (fake_hub.root / f"{REPO_ID}@lr-sweep").iterdir()} == TRAINED_MODEL_FILES
@@ -305,7 +313,7 @@ def test_push_script_commits_to_a_new_branch_or_opens_a_pull_request(pushed, fak
 
 def test_push_script_sets_the_card_license_and_refuses_an_incomplete_custom_one(pushed, fake_hub, tmp_path, capsys):
     folder = shutil.copytree(pushed[0] / "model", tmp_path / "model")
-    push = push_script_main()
+    push = push_main
     assert push([str(folder), "--hub_model_id", REPO_ID, "--license", "other", "--license_name", "acme-1.0"]) == 2
     assert "--license other needs --license_name NAME and --license_link URL" in capsys.readouterr().err
     assert fake_hub.calls == [] and ModelCard.load(folder / "README.md").data.license is None
@@ -377,7 +385,7 @@ def test_push_failure_is_one_line_naming_cause_and_the_option_to_change(case, pu
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", case == "offline")
     with stand_in_hub(case) as endpoint:
         monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", endpoint)
-        status = push_script_main()([str(pushed[0] / "model"), "--hub_model_id", REPO_ID, "--timeout", "0.5"])
+        status = push_main([str(pushed[0] / "model"), "--hub_model_id", REPO_ID, "--timeout", "0.5"])
     error = capsys.readouterr().err
     assert status == 2 and len(error.strip().splitlines()) == 1, error
     assert error.startswith("kimi-k3-push: error: ") and all(part in error for part in PUSH_FAILURES[case]), error
@@ -395,16 +403,6 @@ def test_job_checks_the_push_token_with_the_hub_before_training(case, tmp_path, 
     assert status == 2 and printed == "" and len(error) == 1
     assert error[0].startswith("kimi-k3-train: error: ") and PUSH_FAILURES[case][0] in error[0]
     assert not (tmp_path / "run").exists()  # nothing trained, nothing written
-
-
-def test_push_options_spelled_as_before_work_for_one_release_naming_the_new_spelling(pushed, fake_hub, capsys):
-    old = [str(pushed[0] / "model"), "--repo_id", REPO_ID, "--revision", "lr-sweep", "--private", "--token=hf_x"]
-    assert push_script_main()(old) == 0
-    assert fake_hub.calls[1] == ("create_branch", {"branch": "lr-sweep", "exist_ok": True})
-    warnings = capsys.readouterr().err.strip().splitlines()
-    assert warnings == [f"kimi-k3-push: warning: {before} is now spelled {after}; the old spelling goes away in the next "
-                        "release" for before, after in [("--repo_id", "--hub_model_id"), ("--revision", "--hub_revision"),
-                                                        ("--private", "--hub_private_repo"), ("--token", "--hub_token")]]
 
 
 def test_wheel_ships_card_template_and_renders_card_outside_source_tree(tmp_path):
@@ -440,8 +438,8 @@ def test_failed_push_leaves_the_local_card_as_it_was(pushed, fake_hub, tmp_path,
         raise hub.HubError("the hub refused the push (HTTP 500)")
 
     monkeypatch.setattr(hub, "push_folder", refused)
-    assert push_script_main()([str(model), "--hub_model_id", "someone/attempted"]) == 2
-    assert push_script_main()([str(checkpoint), "--hub_model_id", "someone/attempted"]) == 2
+    assert push_main([str(model), "--hub_model_id", "someone/attempted"]) == 2
+    assert push_main([str(checkpoint), "--hub_model_id", "someone/attempted"]) == 2
     assert (model / "README.md").read_bytes() == card
     assert not (checkpoint / "README.md").exists()
     assert capsys.readouterr().err.count("kimi-k3-push: error: the hub refused the push (HTTP 500)") == 2
