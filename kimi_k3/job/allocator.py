@@ -2,7 +2,7 @@
 
 A training step allocates and frees thousands of tensors of up to megabytes. glibc's allocator returns large freed
 blocks to the kernel, so the next step faults their pages in again; TCMalloc keeps them, and the default CPU step runs
-faster under it with bit-identical results (docs/training-job.md, "A faster memory allocator"). An allocator
+faster under it with bit-identical results (docs/training-performance.md, "A faster memory allocator"). An allocator
 has to be in place before the process starts, so the command-line entry points (`kimi-k3-train`, `python -m kimi_k3.job`)
 call `restart_under_tcmalloc` first: on Linux, when no replacement allocator is loaded (TCMalloc, jemalloc, mimalloc: a
 user who preloaded one keeps it) and the dynamic loader can find TCMalloc, the process replaces itself (same PID, same
