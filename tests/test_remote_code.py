@@ -87,6 +87,7 @@ def test_saved_folder_holds_code_config_weights_and_auto_map(saved):
         "checkpoint_format_kimi_k3.py",
         "config.json",
         "configuration_kimi_k3.py",
+        "configuration_kimi_k3_vision.py",  # imported by the configuration, for a vision_config
         "generation_config.json",
         "model.safetensors",
         "modeling_kimi_k3.py",
