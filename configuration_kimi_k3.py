@@ -76,6 +76,13 @@ AUTO_MAP = {
     "AutoModelForSequenceClassification": "modeling_kimi_k3.KimiK3ForSequenceClassification",
     "AutoModelForTokenClassification": "modeling_kimi_k3.KimiK3ForTokenClassification",
 }
+# A configuration that switches a Stable LatentMoE variant on is built by the variants' own model classes (the
+# released ones refuse it); only folders saved from them carry that file.
+VARIANT_AUTO_MAP = {
+    "AutoConfig": "configuration_kimi_k3.KimiK3Config",
+    "AutoModel": "variants_kimi_k3.KimiK3VariantModel",
+    "AutoModelForCausalLM": "variants_kimi_k3.KimiK3VariantForCausalLM",
+}
 # A configuration with a `vision_config` also loads as the vision-language model.
 VISION_AUTO_MAP = {"AutoModelForImageTextToText": "modeling_kimi_k3_vision.KimiK3ForConditionalGeneration"}
 # Keys of the released multimodal wrapper that repeat its `vision_config` (kept there), describe the wrapper's own
@@ -288,7 +295,7 @@ class KimiK3Config(PreTrainedConfig):
         if retired:
             logger.info(f"Ignoring training switches that the training job owns now: {retired}")
         super().__post_init__(**kwargs)
-        self.auto_map = dict(AUTO_MAP)
+        self.auto_map = dict(VARIANT_AUTO_MAP if self.enabled_variants else AUTO_MAP)
         if self.vision_config is not None:
             self.auto_map.update(VISION_AUTO_MAP)
         self._fill_variant_defaults()

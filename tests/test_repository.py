@@ -1,11 +1,12 @@
 """The repository itself: no leftovers of an unfinished merge, functions short enough to read in one screen, no module
-reaching into another's underscored names, every Markdown file a text cites present in the repository, and the
-README's commands the ones CI runs."""
+reaching into another's underscored names, imports that follow one layering without cycles, every Markdown file a
+text cites present in the repository, and the README's commands the ones CI runs."""
 
 import ast
 import functools
 import re
 import subprocess
+from collections import defaultdict
 from pathlib import Path
 
 from tests.conftest import ROOT
@@ -19,6 +20,16 @@ PROJECT_MODULES = re.compile(r"^(kimi_k3|modeling_kimi_k3|configuration_kimi_k3|
 # A path ending in .md: a word of path characters, not a URL, not inside a longer word.
 CITED_MARKDOWN = re.compile(r"(?<![\w./-])(?:\.\.?/)?[\w.-]+(?:/[\w.-]+)*\.md\b")
 TEXT_SUFFIXES = {".py", ".md", ".toml", ".yaml", ".yml", ".cfg", ".txt", ""}
+# The training package's sub-packages, lowest layer first: each imports only from layers below its own, the package's
+# own __init__ and the model files at the repository root (which sit below every layer and never import the package).
+# The lab, the ablation suite, is on top, so nothing of the library depends on it.
+PACKAGE_LAYERS = (
+    ("attachments",),
+    ("checkpoint", "kernels", "parallel", "text"),
+    ("optim", "policies", "publishing", "quantization"),
+    ("job",),
+    ("ablation", "planning"),
+)
 
 
 @functools.cache
@@ -64,6 +75,116 @@ def test_no_module_imports_another_modules_underscored_names():
                if isinstance(node, ast.ImportFrom) and node.level == 0 and PROJECT_MODULES.match(node.module or "")
                for alias in node.names if alias.name.startswith("_") and not alias.name.startswith("__")]
     assert not private, f"imports of another module's private names: {private}"
+
+
+def module_name(path: Path) -> str:
+    parts = path.with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(node: ast.AST, path: Path) -> list[str]:
+    """Absolute names of the modules an import statement in ``path`` names (relative imports resolved)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    if node.level == 0:
+        return [node.module]
+    package = module_name(path).split(".") if path.name == "__init__.py" else module_name(path).split(".")[:-1]
+    base = package[: len(package) - (node.level - 1)]
+    return [".".join([*base, node.module] if node.module else base)]
+
+
+def layering_unit(module: str) -> str | None:
+    """What the layering orders: a model file (``modeling_kimi_k3``), the package itself (``kimi_k3``), a sub-package
+    (``kimi_k3.job``), or the benchmarks, scripts and tests (which nothing importable may import); None outside the
+    repository."""
+    top, *rest = module.split(".")
+    if top == "kimi_k3":
+        return "kimi_k3" if not rest else f"kimi_k3.{rest[0]}"
+    if PROJECT_MODULES.match(module):
+        return top
+    if (ROOT / f"{top}.py").is_file():
+        return top
+    return None
+
+
+@functools.cache
+def import_graph() -> dict[str, frozenset[str]]:
+    """Which layering unit imports which, from the real import statements of the model files and the package (imports
+    inside functions included: they run too)."""
+    edges = defaultdict(set)
+    for path, tree in python_trees():
+        if not (path.parts[0] == "kimi_k3" or len(path.parts) == 1):
+            continue
+        source = layering_unit(module_name(path))
+        for node in ast.walk(tree):
+            targets = {layering_unit(name) for name in imported_modules(node, path)}
+            edges[source] |= targets - {None, source}
+    return {source: frozenset(targets) for source, targets in edges.items()}
+
+
+def import_cycle(graph: dict[str, frozenset[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as the path that closes it, or None (depth-first search)."""
+    state, stack = {}, []
+
+    def visit(unit: str) -> list[str] | None:
+        state[unit] = "open"
+        stack.append(unit)
+        for target in sorted(graph.get(unit, ())):
+            if state.get(target) == "open":
+                return stack[stack.index(target):] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        state[unit] = "done"
+        stack.pop()
+        return None
+
+    return next(filter(None, (visit(unit) for unit in sorted(graph) if unit not in state)), None)
+
+
+def layering_violations(graph: dict[str, frozenset[str]], layers=PACKAGE_LAYERS) -> list[str]:
+    """Imports against the declared order: a sub-package importing its own layer or one above, the package or a model
+    file importing a sub-package, anything importable importing the benchmarks, scripts or tests."""
+    rank = {f"kimi_k3.{name}": level for level, names in enumerate(layers) for name in names}
+    outside = {"benchmarks", "scripts", "tests"}
+    violations = []
+    for source, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            if target in outside:
+                violations.append(f"{source} imports {target}")
+            elif target.startswith("kimi_k3") and target != "kimi_k3" and rank.get(source, -1) <= rank[target]:
+                violations.append(f"{source} imports {target}, which is not in a lower layer")
+            elif target == "kimi_k3" and not source.startswith("kimi_k3."):
+                violations.append(f"{source} imports the training package")
+    return violations
+
+
+def test_the_package_and_the_model_files_import_one_another_without_a_cycle():
+    assert import_cycle(import_graph()) is None, f"import cycle: {' -> '.join(import_cycle(import_graph()))}"
+
+
+def test_every_import_follows_the_declared_layering():
+    found = {unit.removeprefix("kimi_k3.") for unit in import_graph() if unit.startswith("kimi_k3.")}
+    declared = {name for names in PACKAGE_LAYERS for name in names}
+    assert found == declared, f"sub-packages to declare in PACKAGE_LAYERS: {sorted(found - declared)}; " \
+                              f"declared but gone: {sorted(declared - found)}"
+    assert not layering_violations(import_graph()), layering_violations(import_graph())
+
+
+def test_the_layering_checks_see_cycles_upward_imports_and_relative_imports():
+    assert import_cycle({"a": frozenset({"b"}), "b": frozenset({"c"}), "c": frozenset({"a"})}) == ["a", "b", "c", "a"]
+    assert import_cycle({"a": frozenset({"b"}), "b": frozenset()}) is None
+    upward = {"kimi_k3.policies": frozenset({"kimi_k3.job"}), "modeling_kimi_k3": frozenset({"kimi_k3"}),
+              "kimi_k3.job": frozenset({"kimi_k3.policies", "benchmarks"})}
+    assert layering_violations(upward) == [
+        "kimi_k3.job imports benchmarks",
+        "kimi_k3.policies imports kimi_k3.job, which is not in a lower layer",
+        "modeling_kimi_k3 imports the training package",
+    ]
+    relative = ast.parse("from .configuration_kimi_k3 import KimiK3Config\nfrom . import handle").body
+    assert imported_modules(relative[0], Path("modeling_kimi_k3.py")) == ["configuration_kimi_k3"]
+    assert imported_modules(relative[1], Path("kimi_k3/attachments/__init__.py")) == ["kimi_k3.attachments"]
 
 
 def cited_markdown(path: Path) -> list[str]:

@@ -11,7 +11,7 @@ import io
 
 import torch
 
-from kimi_k3.job.resumable import ResumableCallback
+from kimi_k3.policies.callback import ResumableCallback
 
 PNG_NAME = "expert_load.png"
 PLOT_EXTRA = "pip install 'kimi-k3[plot]'"

@@ -58,7 +58,8 @@ from kimi_k3.job.final_save import (
 from kimi_k3.job.resources import check_model_fits_memory
 from kimi_k3.job.resume_manifest import CheckpointFileError, check_trainer_files, first_line
 from kimi_k3.job.run_settings import check_unchanged, run_settings
-from kimi_k3.job.resumable import ResumableCallback, TrainingClock
+from kimi_k3.job.resumable import TrainingClock
+from kimi_k3.policies.callback import ResumableCallback
 from kimi_k3.job.trainer import KimiK3Trainer, SaveError, check_resumable, finished_step
 from kimi_k3.kernels.subnormals import flush_subnormals
 from kimi_k3.kernels.training import use_fused_kernels

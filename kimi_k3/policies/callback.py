@@ -2,11 +2,14 @@
 
 The policy itself updates from a step hook of the optimizer (`Attachment.run_after_each_step`), so the callback
 does nothing at steps: under ``Trainer`` the policy acts exactly as in a plain ``torch`` loop or an accelerate loop.
+Beside it, `ResumableCallback`: the base of every callback (the policies' and the training job's) whose records span
+the jobs of a resumed run.
 """
 
 import warnings
 
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainerState
+from transformers.trainer_callback import ExportableState
 from transformers.integrations import get_reporting_integration_callbacks
 
 
@@ -87,3 +90,38 @@ def report_after_every_callback(trainer) -> None:
     for callback in callbacks:
         if isinstance(callback, PolicyCallback):
             callback.ahead_of_reporting = True
+
+
+class ResumableCallback(TrainerCallback, ExportableState):
+    """A callback whose `attributes` (JSON values) are saved with every checkpoint and restored on resume.
+
+    Trainer writes ``state()`` of each ``ExportableState`` callback into every checkpoint's ``trainer_state.json``
+    (``TrainerState.stateful_callbacks``). Trainer reads them back only under
+    ``--restore_callback_states_from_checkpoint``, and then by constructing a new callback from JSON arguments, which
+    cannot hand back a callback's live references (the expert-load recorder's balancing callback). So each such
+    callback restores its own attributes from the resumed state in ``on_train_begin``, when that state is already
+    loaded.
+    """
+
+    def attributes(self) -> dict:
+        raise NotImplementedError
+
+    def restore(self, attributes: dict, step: int) -> None:
+        """Take back `attributes` saved by the checkpoint of optimizer step ``step``."""
+        raise NotImplementedError
+
+    def state(self) -> dict:
+        return {"args": {}, "attributes": self.attributes()}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.resume_from(state)
+
+    def resume_from(self, state: TrainerState) -> None:
+        """Restore from ``state`` when it is a checkpoint's (a fresh run's state holds this callback's own record)."""
+        name = type(self).__name__
+        saved = state.stateful_callbacks.get(name)
+        if state.global_step > 0 and isinstance(saved, dict):
+            self.restore(saved.get("attributes", {}), state.global_step)
+        # Trainer's checkpoint save updates only the entries the state already holds: a checkpoint written before this
+        # callback existed has none.
+        state.stateful_callbacks.setdefault(name, self.state())

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from transformers.utils import logging
 
 from kimi_k3.attachments.seams import find_routers
-from kimi_k3.job.resumable import ResumableCallback
+from kimi_k3.policies.callback import ResumableCallback
 from kimi_k3.policies.quantile_balancing import QuantileBalancing
 
 logger = logging.get_logger(__name__)
