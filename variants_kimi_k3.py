@@ -2,9 +2,12 @@
 
 Descriptions of Stable LatentMoE name more ideas than the released design (K3 report §2.3) implements. Five of them
 change the model and live here; the sixth, periodic expert merging, is a training procedure
-(``kimi_k3.policies.expert_merging``). `KimiK3Config` fields switch each on; ``KimiK3DecoderLayer`` then swaps the modules
-below in for the released ones (`build_layer_variants`). With every field off this file is never imported and the
-model is the release, bit for bit. Where a description is ambiguous, the definition here decides; each class says so.
+(``kimi_k3.policies.expert_merging``). `KimiK3Config` fields switch each on, and the model classes at the end of this
+file build them: subclasses of the released classes whose decoder layers swap the modules below in for the released
+router, experts and MLA gate projection, as transformers' modular models inherit a base model and override its
+layers. The released model file never imports this one, so a folder saved from the released model carries no
+variant code; a configuration with a variant on points ``auto_map`` here, and the released classes refuse it. Where a
+description is ambiguous, the definition here decides; each class says so.
 
 1. Shared-basis experts (`expert_basis_size` = M): W_e = sum_j C[e, j] B_j over M shared basis matrices, one bank
    for ``gate_up_proj`` and one for ``down_proj``, coefficients [E, M] each.
@@ -22,7 +25,7 @@ model is the release, bit for bit. Where a description is ambiguous, the definit
 Only torch, transformers and the sibling model files are imported, so the file ships inside checkpoint folders.
 """
 
-from types import SimpleNamespace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -31,35 +34,38 @@ from transformers import initialization as init
 from transformers.integrations import use_experts_implementation
 
 try:
+    from .checkpoint_format_kimi_k3 import register_expert_layout
     from .configuration_kimi_k3 import KimiK3Config
-    from .modeling_kimi_k3 import KeepsFloat32Tensors, KimiK3Experts, KimiK3GLUActivation, KimiK3TopkRouter, upcast
+    from .modeling_kimi_k3 import (
+        KeepsFloat32Tensors,
+        KimiK3DecoderLayer,
+        KimiK3Experts,
+        KimiK3ForCausalLM,
+        KimiK3GLUActivation,
+        KimiK3Model,
+        KimiK3PreTrainedModel,
+        KimiK3TopkRouter,
+        per_expert_loop,
+        upcast,
+    )
 except ImportError:
+    from checkpoint_format_kimi_k3 import register_expert_layout
     from configuration_kimi_k3 import KimiK3Config
-    from modeling_kimi_k3 import KeepsFloat32Tensors, KimiK3Experts, KimiK3GLUActivation, KimiK3TopkRouter, upcast
+    from modeling_kimi_k3 import (
+        KeepsFloat32Tensors,
+        KimiK3DecoderLayer,
+        KimiK3Experts,
+        KimiK3ForCausalLM,
+        KimiK3GLUActivation,
+        KimiK3Model,
+        KimiK3PreTrainedModel,
+        KimiK3TopkRouter,
+        per_expert_loop,
+        upcast,
+    )
 
 # Basis banks of the shared-basis experts -> the per-expert tensor each materialises (its row blocks are the same).
 BASIS_OF_EXPERT_TENSOR = {"gate_up_basis": "gate_up_proj", "down_basis": "down_proj"}
-
-
-def strict_float32_tensors(config: KimiK3Config) -> set[str]:
-    """Names of the variants' tensors that ``from_pretrained(dtype=...)`` keeps fp32 for ``config`` (transformers'
-    ``_keep_in_fp32_modules_strict``): a quantile router's score CDF, whose knots bf16 would merge."""
-    return {"score_quantiles"} if config.router_score_normalization == "quantile" else set()
-
-
-def build_layer_variants(layer: nn.Module, config: KimiK3Config) -> None:
-    """Replace the released router, experts and MLA gate projection of ``layer`` by the variants ``config`` enables."""
-    _refuse_tensor_and_expert_parallelism(config)
-    moe = getattr(layer, "block_sparse_moe", None)
-    if moe is None:
-        return
-    router_class, experts_class = _router_class(config), _experts_class(config)
-    if router_class is not KimiK3TopkRouter:
-        moe.gate = router_class(config)
-    if experts_class is not KimiK3Experts:
-        moe.experts = experts_class(config)
-    if config.attention_gate_routing and layer.layer_type == "full_attention":
-        layer.self_attn.g_proj = KimiK3RoutedGateProjection(config, moe.gate)
 
 
 def _refuse_tensor_and_expert_parallelism(config: KimiK3Config) -> None:
@@ -127,10 +133,6 @@ def materialise_experts_reference(coefficients: torch.Tensor, basis: torch.Tenso
     return torch.stack(experts)
 
 
-# The released per-expert loop, undecorated: it reads only `gate_up_proj`, `down_proj` and `_apply_gate`.
-_PER_EXPERT_LOOP = KimiK3Experts.forward.__wrapped__
-
-
 @use_experts_implementation
 class KimiK3SharedBasisExperts(nn.Module):
     """Routed experts that share a latent basis: each expert is a linear combination of M basis matrices.
@@ -167,9 +169,9 @@ class KimiK3SharedBasisExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """The released per-expert loop (``experts_implementation="eager"``) over weights materialised once."""
-        materialised = SimpleNamespace(gate_up_proj=self.gate_up_proj, down_proj=self.down_proj,
-                                       _apply_gate=self._apply_gate)
-        return _PER_EXPERT_LOOP(materialised, hidden_states, top_k_index, top_k_weights)
+        return per_expert_loop(
+            self.gate_up_proj, self.down_proj, self._apply_gate, hidden_states, top_k_index, top_k_weights
+        )
 
     def init_variant_weights(self, std: float) -> None:
         """Bases ~ N(0, std²), coefficients ~ N(0, 1/M): each W_e then has the independent experts' N(0, std²)."""
@@ -279,11 +281,12 @@ class KimiK3RoutedGateProjection(nn.Linear):
         super().__init__(config.hidden_size, config.num_attention_heads * config.v_head_dim, bias=False)
         self.num_heads = config.num_attention_heads
         self.routing_weight = nn.Parameter(torch.zeros(self.num_heads, config.num_experts))
-        self.__dict__["router"] = router  # not a submodule: the MoE block owns it and its state-dict entries
+        # A function of the router rather than a submodule: the MoE block owns the router and its state-dict entries.
+        self.routing_of = partial(sparse_routing_weights, router)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         gate_logits = super().forward(hidden_states)
-        routing = sparse_routing_weights(self.router, hidden_states).to(gate_logits.dtype)
+        routing = self.routing_of(hidden_states).to(gate_logits.dtype)
         head_logits = F.linear(routing, self.routing_weight.to(gate_logits.dtype))
         return (gate_logits.unflatten(-1, (self.num_heads, -1)) + head_logits.unsqueeze(-1)).flatten(-2)
 
@@ -416,3 +419,63 @@ class KimiK3VaryingCountExperts(VaryingRouteCount, KimiK3Experts):
 
 class KimiK3VaryingCountSharedBasisExperts(VaryingRouteCount, KimiK3SharedBasisExperts):
     """Shared-basis experts under dynamic k."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The model classes that build the variants
+# ---------------------------------------------------------------------------------------------------------------------
+class KimiK3VariantDecoderLayer(KimiK3DecoderLayer):
+    """The released decoder layer with the variants its config enables in place of the released router, experts and
+    MLA gate projection (the forward is the released one)."""
+
+    def __init__(self, config: KimiK3Config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        _refuse_tensor_and_expert_parallelism(config)
+        moe = getattr(self, "block_sparse_moe", None)
+        if moe is None:
+            return
+        router_class, experts_class = _router_class(config), _experts_class(config)
+        if router_class is not KimiK3TopkRouter:
+            moe.gate = router_class(config)
+        if experts_class is not KimiK3Experts:
+            moe.experts = experts_class(config)
+        if config.attention_gate_routing and self.layer_type == "full_attention":
+            self.self_attn.g_proj = KimiK3RoutedGateProjection(config, moe.gate)
+
+
+class KimiK3VariantPreTrainedModel(KimiK3PreTrainedModel):
+    """What every variant model adds to the released one: the variants' layers, their initialisation and the fp32
+    tensors they keep."""
+
+    builds_variants = True
+    _no_split_modules = ["KimiK3VariantDecoderLayer"]
+
+    def post_init(self):
+        super().post_init()
+        if self.config.router_score_normalization == "quantile":
+            # A quantile router's score CDF stays fp32 under `from_pretrained(dtype=...)`: bf16 would merge its knots.
+            self._keep_in_fp32_modules_strict.add("score_quantiles")
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if hasattr(module, "init_variant_weights"):
+            module.init_variant_weights(self.config.initializer_range)
+
+
+class KimiK3VariantModel(KimiK3VariantPreTrainedModel, KimiK3Model):
+    decoder_layer_class = KimiK3VariantDecoderLayer
+
+
+class KimiK3VariantForCausalLM(KimiK3VariantPreTrainedModel, KimiK3ForCausalLM):
+    base_model_class = KimiK3VariantModel
+
+
+def causal_lm_class(config: KimiK3Config) -> type[KimiK3ForCausalLM]:
+    """The causal-LM class that builds ``config``: the released one, or the variants' where one is switched on."""
+    return KimiK3VariantForCausalLM if config.enabled_variants else KimiK3ForCausalLM
+
+
+register_expert_layout("KimiK3VariantForCausalLM", "KimiK3VariantModel")
+KimiK3VariantModel.register_for_auto_class("AutoModel")
+KimiK3VariantForCausalLM.register_for_auto_class("AutoModelForCausalLM")

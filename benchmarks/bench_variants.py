@@ -24,6 +24,7 @@ import torch  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
 from kimi_k3.policies.quantile_balancing import QuantileBalancing  # noqa: E402
 from modeling_kimi_k3 import KimiK3ForCausalLM  # noqa: E402
+from variants_kimi_k3 import causal_lm_class  # noqa: E402
 
 # The configurations of docs/variants.md (default model: 64 experts, top-4).
 VARIANTS = {
@@ -79,7 +80,8 @@ def main() -> None:
     rows, steps = [], {}
     for name, fields in VARIANTS.items():
         torch.manual_seed(0)
-        model = KimiK3ForCausalLM(KimiK3Config(**fields)).train()
+        config = KimiK3Config(**fields)
+        model = causal_lm_class(config)(config).train()
         balancing = QuantileBalancing(model, per_layer_metrics=False)
         balancing.attach()
         steps[name] = training_step(model, balancing, ids)

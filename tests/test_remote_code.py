@@ -91,7 +91,6 @@ def test_saved_folder_holds_code_config_weights_and_auto_map(saved):
         "generation_config.json",
         "model.safetensors",
         "modeling_kimi_k3.py",
-        "variants_kimi_k3.py",
     ]
     config = json.loads((saved / "config.json").read_text())
     assert config["model_type"] == "kimi_k3"

@@ -133,14 +133,12 @@ BORROWED_API = [
                 and all(f"self.{name} = " in inspect.getsource(importlib.import_module(
                     "transformers.integrations.moe").use_experts_implementation)
                     for name in ("_is_expert_parallel", "is_transposed"))),
-    BorrowedApi("use_experts_implementation keeps the undecorated forward as `__wrapped__` (functools.wraps)",
-                "shared-basis experts run the released per-expert loop as their eager reference",
-                lambda: hasattr(modeling_kimi_k3.KimiK3Experts.forward, "__wrapped__")),
     BorrowedApi("from_pretrained sets `config.distributed_config` before building the model",
                 "a variant refuses tensor and expert parallelism while the model is built, before any weight is read",
                 lambda: "config.distributed_config = distributed_config" in TRANSFORMERS_SOURCE),
     BorrowedApi("transformers.dynamic_module_utils.get_relative_imports",
-                "a pushed folder must hold every file the model file imports, which trust_remote_code fetches too",
+                "a pushed folder must hold every file its auto_map names and what those import, which "
+                "trust_remote_code fetches too",
                 module_has("transformers.dynamic_module_utils", "get_relative_imports")),
     # torch's state-dict hook: the released per-expert keys load into the fused expert tensors under plain
     # load_state_dict (Trainer resume), which has no public per-module hook with the same reach.

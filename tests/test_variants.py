@@ -1,29 +1,37 @@
 """The opt-in Stable LatentMoE variants (variants_kimi_k3.py): each one's defining property, its fast path against
 its reference, cached generation against full forwards, and reloading through trust_remote_code."""
 
+import ast
+import json
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
 from kimi_k3.policies.quantile_balancing import QuantileBalancing
-from modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3TopkRouter
+from modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3Model, KimiK3TopkRouter
 from tests.conftest import tiny_config
 from tests.numerics import assert_as_accurate
 from variants_kimi_k3 import (
     KimiK3DynamicTopkRouter,
     KimiK3SharedBasisExperts,
     KimiK3TwoLevelRouter,
+    KimiK3VariantForCausalLM,
+    KimiK3VariantModel,
     KimiK3VaryingCountExperts,
+    causal_lm_class,
     materialise_experts,
     materialise_experts_reference,
     quantile_normalize,
     quantile_normalize_reference,
     sparse_routing_weights,
 )
+
+REPOSITORY = Path(__file__).resolve().parent.parent
 
 # One configuration per variant, at the tiny model's sizes (8 experts, k = 2).
 VARIANTS = {
@@ -38,7 +46,8 @@ VARIANTS = {
 def variant_model(seed: int = 0, **fields) -> KimiK3ForCausalLM:
     """A tiny model with non-trivial AttnRes mixes, router biases and (for the attention gate) routing weights."""
     torch.manual_seed(seed)
-    model = KimiK3ForCausalLM(tiny_config(**fields)).eval()
+    config = tiny_config(**fields)
+    model = causal_lm_class(config)(config).eval()
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -89,7 +98,7 @@ def test_shared_basis_parameter_count_is_basis_times_expert_size_plus_two_coeffi
     experts = KimiK3SharedBasisExperts(config)
     expert_size = 3 * config.routed_expert_hidden_size * config.moe_intermediate_size
     assert sum(p.numel() for p in experts.parameters()) == 3 * expert_size + 2 * config.num_experts * 3
-    saved = KimiK3ForCausalLM(tiny_config()).num_parameters() - KimiK3ForCausalLM(config).num_parameters()
+    saved = KimiK3ForCausalLM(tiny_config()).num_parameters() - KimiK3VariantForCausalLM(config).num_parameters()
     moe_layers = config.mlp_layer_types.count("sparse")
     assert saved == moe_layers * (config.num_experts * expert_size - (3 * expert_size + 2 * config.num_experts * 3))
 
@@ -142,7 +151,7 @@ def test_quantile_normalization_matches_the_counting_reference_with_ties_and_end
 
 def test_a_16_bit_load_keeps_the_score_cdf_float32_and_the_release_list_does_not_name_it(tmp_path):
     variant_model(**VARIANTS["quantile"]).save_pretrained(tmp_path)
-    reloaded = KimiK3ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    reloaded = KimiK3VariantForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
     router = reloaded.model.layers[1].block_sparse_moe.gate
     assert router.score_quantiles.dtype == torch.float32 and router.weight.dtype == torch.bfloat16
     assert "score_quantiles" not in variant_model()._keep_in_fp32_modules_strict
@@ -171,11 +180,11 @@ def test_zero_routing_weights_are_bitwise_the_released_attention_gate():
     ids = torch.randint(3, 97, (2, 10))
     with torch.no_grad():
         assert torch.equal(gated(ids).logits, released(ids).logits)
-    assert KimiK3ForCausalLM(tiny_config(attention_gate_routing=True)).get_parameter(missing[0]).abs().max() == 0
+    assert KimiK3VariantForCausalLM(tiny_config(attention_gate_routing=True)).get_parameter(missing[0]).abs().max() == 0
 
 
 def test_gradients_reach_the_zero_initialised_routing_weights_but_not_the_router_through_the_gate():
-    model = KimiK3ForCausalLM(tiny_config(attention_gate_routing=True)).train()
+    model = KimiK3VariantForCausalLM(tiny_config(attention_gate_routing=True)).train()
     ids = torch.randint(3, 97, (2, 10))
     model(ids, labels=ids).loss.backward()
     for i in (3, 7, 8):
@@ -292,6 +301,46 @@ def test_only_the_enabled_variants_replace_released_modules():
     assert "variants_kimi_k3" not in type(model.model.layers[4].self_attn.g_proj).__module__
 
 
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_the_released_classes_refuse_a_config_that_enables_a_variant(name):
+    config = tiny_config(**VARIANTS[name])
+    for released_class in (KimiK3ForCausalLM, KimiK3Model):
+        with pytest.raises(ValueError, match=rf"^The config switches on .*\({next(iter(VARIANTS[name]))}\), which "
+                                             rf"{released_class.__name__} does not build: use the variant classes"):
+            released_class(config)
+    assert type(KimiK3VariantModel(config).layers[1]).__name__ == "KimiK3VariantDecoderLayer"
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module ``path`` imports, at any depth of its code (relative imports without their dots)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_the_shipped_model_files_never_import_the_variants_which_import_them():
+    for shipped in ("modeling_kimi_k3.py", "configuration_kimi_k3.py", "checkpoint_format_kimi_k3.py"):
+        imports = imported_modules(REPOSITORY / shipped)
+        assert "variants_kimi_k3" not in imports and "kimi_k3" not in {name.split(".")[0] for name in imports}, shipped
+    assert {"modeling_kimi_k3", "configuration_kimi_k3"} <= imported_modules(REPOSITORY / "variants_kimi_k3.py")
+    assert "variants_kimi_k3" not in (REPOSITORY / "modeling_kimi_k3.py").read_text()
+
+
+def test_a_folder_saved_from_the_released_model_carries_no_variant_code(tmp_path):
+    variant_model().save_pretrained(tmp_path / "released")
+    variant_model(**VARIANTS["two_level"]).save_pretrained(tmp_path / "variant")
+    assert not (tmp_path / "released" / "variants_kimi_k3.py").exists()
+    assert "variants_kimi_k3" not in (tmp_path / "released" / "config.json").read_text()
+    auto_map = json.loads((tmp_path / "variant" / "config.json").read_text())["auto_map"]
+    assert auto_map == {"AutoConfig": "configuration_kimi_k3.KimiK3Config",
+                        "AutoModel": "variants_kimi_k3.KimiK3VariantModel",
+                        "AutoModelForCausalLM": "variants_kimi_k3.KimiK3VariantForCausalLM"}
+
+
 LOAD_IN_FRESH_PROCESS = textwrap.dedent(
     """
     import sys
@@ -349,6 +398,6 @@ def test_tensor_and_expert_parallel_loading_of_a_variant_is_refused_while_the_mo
     config.distributed_config = DistributedConfig(**sizes)  # what from_pretrained(distributed_config=...) sets first
     with pytest.raises(ValueError, match=r"^two-level routing \(num_coarse_experts\) has no tensor- or expert-parallel "
                                          r"plan: load it with tp_size=1 and ep_size=1"):
-        KimiK3ForCausalLM(config)
+        KimiK3VariantForCausalLM(config)
     config.distributed_config = DistributedConfig(fsdp_size=2)
-    KimiK3ForCausalLM(config)  # FSDP shards any parameter
+    KimiK3VariantForCausalLM(config)  # FSDP shards any parameter

@@ -14,6 +14,7 @@ import datasets
 import torch
 from transformers.trainer_utils import get_last_checkpoint
 
+from configuration_kimi_k3 import KimiK3Config
 from kimi_k3.attachments.handle import Attachment
 from kimi_k3.attachments.padding import masked_counts, shared_padding
 from kimi_k3.attachments.seams import experts_activation, find_expert_modules, find_mla_layers, find_routers
@@ -25,6 +26,7 @@ from kimi_k3.publishing.model_card import parameter_counts
 from kimi_k3.text.corpus import evaluation_blocks, load_corpus, tokenize_into_blocks
 from kimi_k3.text.tokenizer import load_tokenizer
 from modeling_kimi_k3 import KimiK3ForCausalLM
+from variants_kimi_k3 import causal_lm_class
 
 EVAL_BATCH = 16
 
@@ -128,7 +130,7 @@ def _cross_entropy_sum(model, blocks) -> tuple[float, int]:
 def measure_run(run_dir: Path, data_files: list[str] | None, block_size: int, max_eval_samples: int | None) -> dict:
     """Everything the report shows of one run, from its folder."""
     model_dir = run_dir / FINAL_MODEL_DIR
-    model = KimiK3ForCausalLM.from_pretrained(model_dir)
+    model = causal_lm_class(KimiK3Config.from_pretrained(model_dir)).from_pretrained(model_dir)
     blocks = validation_blocks(data_files, load_tokenizer(str(model_dir)), block_size, max_eval_samples)
     record = training_record(run_dir) | evaluation_record(model, blocks)
     counts = parameter_counts(model)

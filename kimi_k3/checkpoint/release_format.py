@@ -43,7 +43,7 @@ from checkpoint_format_kimi_k3 import (
 )
 from configuration_kimi_k3 import KimiK3Config
 from modeling_kimi_k3 import KimiK3ForCausalLM
-from variants_kimi_k3 import BASIS_OF_EXPERT_TENSOR, materialise_experts
+from variants_kimi_k3 import BASIS_OF_EXPERT_TENSOR, causal_lm_class, materialise_experts
 
 from kimi_k3.checkpoint import run_folder
 
@@ -261,7 +261,7 @@ def _model_tensor(read, stored: tuple[str, ...], shape: tuple[int, ...], dtype=t
 
 def _checkpoint_shapes(config: KimiK3Config) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
-        return checkpoint_shapes(KimiK3ForCausalLM(config))
+        return checkpoint_shapes(causal_lm_class(config)(config))
 
 
 def _in_shard_order(sources: dict, entries: dict[str, CheckpointEntry]) -> list[tuple[str, tuple[str, ...]]]:

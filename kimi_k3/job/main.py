@@ -75,6 +75,7 @@ from kimi_k3.quantization.qat import WEIGHT_FORMATS, attach_qat, check_mxfp4_wid
 from kimi_k3.text.corpus import DataError, evaluation_blocks, load_corpus, tokenize_into_blocks, tokenizer_documents
 from kimi_k3.text.tokenizer import check_tokenizer_fits, load_tokenizer, train_bpe_tokenizer
 from modeling_kimi_k3 import KimiK3ForCausalLM
+from variants_kimi_k3 import causal_lm_class
 
 
 def flush_subnormals_or_refuse() -> None:
@@ -253,10 +254,10 @@ def build_model(model_args: ModelArguments, tokenizer, checkpoint: str | None,
     config, source = model_config(model_args, tokenizer, checkpoint)
     check_model_fits_memory(config, source)
     if checkpoint is None and model_args.model_name_or_path is not None:
-        model = KimiK3ForCausalLM.from_pretrained(model_args.model_name_or_path, config=config)
+        model = causal_lm_class(config).from_pretrained(model_args.model_name_or_path, config=config)
         refuse_non_finite_base_model(model, model_args.model_name_or_path)
     else:
-        model = KimiK3ForCausalLM(config)
+        model = causal_lm_class(config)(config)
     check_tokenizer_fits(tokenizer, model.config)
     use_fused_kernels(model, situ=model_args.fused_situ, attention_residuals=model_args.fused_attention_residuals,
                       experts=model_args.sorted_experts)

@@ -6,14 +6,14 @@ import torch
 from checkpoint_format_kimi_k3 import available_memory_bytes
 from configuration_kimi_k3 import KimiK3Config
 from kimi_k3.job.arguments import UsageError
-from modeling_kimi_k3 import KimiK3ForCausalLM
+from variants_kimi_k3 import causal_lm_class
 
 
 def check_model_fits_memory(config: KimiK3Config, source: str) -> None:
     """Build the model on the meta device (no memory) and compare its parameters and buffers with what this process
     may allocate; ``source`` names where the config came from."""
     with torch.device("meta"):
-        model = KimiK3ForCausalLM(config)
+        model = causal_lm_class(config)(config)
     tensors = [*model.named_parameters(), *model.named_buffers()]
     needed = sum(tensor.numel() * tensor.element_size() for _, tensor in tensors)
     available = available_memory_bytes()

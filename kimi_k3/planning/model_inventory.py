@@ -17,7 +17,7 @@ import torch
 from checkpoint_format_kimi_k3 import EXPERT_LAYOUT
 from configuration_kimi_k3 import KimiK3Config
 from kimi_k3.optim.muon import build_param_groups, row_pattern
-from modeling_kimi_k3 import KimiK3ForCausalLM
+from variants_kimi_k3 import causal_lm_class
 
 # Attention projections LoRA adapts by default (peft ``target_modules`` names, matched on the module's last name).
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_b_proj", "kv_b_proj")

@@ -6,6 +6,7 @@ cause and the fix, in the options both commands that push share (``kimi-k3-push`
 ``TrainingArguments`` spells them).
 """
 
+import json
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -67,13 +68,28 @@ def check_model_files(folder: Path) -> None:
     if not folder.is_dir():
         raise HubError(f"{folder} is not a folder")
     missing = [name for name in REQUIRED_FILES if not (folder / name).is_file()]
-    if (folder / "modeling_kimi_k3.py").is_file():  # and every file it imports, which trust_remote_code fetches too
-        imported = [f"{name}.py" for name in get_relative_imports(folder / "modeling_kimi_k3.py")]
-        missing += sorted(name for name in imported if name not in missing and not (folder / name).is_file())
+    missing += [name for name in remote_code_files(folder) if name not in missing and not (folder / name).is_file()]
     if not any(folder.glob("*.safetensors")):
         missing.append("*.safetensors")
     if missing:
         raise HubError(f"{folder} is not a complete Kimi K3 model folder; missing {missing}")
+
+
+def remote_code_files(folder: Path) -> list[str]:
+    """The files ``trust_remote_code`` fetches for ``folder``: each module its config's ``auto_map`` names (a variant
+    model's file among them) and, recursively, what those import relatively."""
+    config = folder / "config.json"
+    auto_map = json.loads(config.read_text()).get("auto_map", {}) if config.is_file() else {}
+    pending = [f"{reference.split('--')[-1].split('.')[0]}.py" for reference in auto_map.values()
+               if isinstance(reference, str)]
+    files = set()
+    while pending:
+        name = pending.pop()
+        if name not in files:
+            files.add(name)
+            if (folder / name).is_file():
+                pending += [f"{module}.py" for module in get_relative_imports(folder / name)]
+    return sorted(files)
 
 
 def check_finite_weights(folder: Path) -> None:

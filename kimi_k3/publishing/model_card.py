@@ -25,7 +25,7 @@ from huggingface_hub.utils import validate_repo_id
 
 from configuration_kimi_k3 import KimiK3Config
 from kimi_k3.publishing.hub_licenses import HUB_LICENSE_IDS
-from modeling_kimi_k3 import KimiK3ForCausalLM
+from variants_kimi_k3 import causal_lm_class
 
 # Package data, so the template ships in the wheel and is found in any install, not only in a source checkout.
 TEMPLATE_PATH = files("kimi_k3.publishing") / "templates" / "model_card.md"
@@ -338,7 +338,8 @@ def name_card_for_repo(readme: Path, repo_id: str) -> None:
 def card_for_folder(folder: Path, name: str, metadata: dict[str, object] | None = None) -> ModelCard:
     """Card of a saved folder without training records (e.g. ``checkpoint-N``): architecture and parameters only."""
     with torch.device("meta"):  # parameter counts need shapes, not weights
-        model = KimiK3ForCausalLM(KimiK3Config.from_pretrained(folder))
+        config = KimiK3Config.from_pretrained(folder)
+        model = causal_lm_class(config)(config)
     return render_model_card(model, name, metadata=metadata)
 
 

@@ -28,6 +28,7 @@ from kimi_k3.checkpoint.release_format import export_released, import_released
 from modeling_kimi_k3 import KimiK3Experts, KimiK3ForCausalLM
 from kimi_k3.checkpoint.convert import main as convert_main
 from tests.conftest import tiny_config
+from variants_kimi_k3 import KimiK3VariantForCausalLM
 
 # Experts need input widths that are multiples of the MXFP4 group (32).
 MXFP4_SHAPES = {"routed_expert_hidden_size": 32, "moe_intermediate_size": 32}
@@ -506,7 +507,7 @@ def test_converting_a_trainer_checkpoint_leaves_its_optimizer_state_and_pickles_
 # ---------------------------------------------------------------------------------------------------------------------
 def test_shared_basis_export_materialises_each_expert_and_reloads_as_the_materialised_model(ids, tmp_path):
     torch.manual_seed(0)
-    basis = KimiK3ForCausalLM(tiny_config(**MXFP4_SHAPES, expert_basis_size=3)).eval()
+    basis = KimiK3VariantForCausalLM(tiny_config(**MXFP4_SHAPES, expert_basis_size=3)).eval()
     basis.save_pretrained(tmp_path / "ours")
     export_released(tmp_path / "ours", tmp_path / "released", progress=False)
     shapes = tensor_shapes(tmp_path / "released")
@@ -531,7 +532,7 @@ def test_shared_basis_export_materialises_each_expert_and_reloads_as_the_materia
                                     {"num_coarse_experts": 2, "coarse_experts_per_token": 1},
                                     {"dynamic_experts_per_token": True}])
 def test_export_refuses_variants_the_released_layout_cannot_represent_in_one_line(fields, tmp_path, capsys):
-    KimiK3ForCausalLM(tiny_config(**MXFP4_SHAPES, **fields)).save_pretrained(tmp_path / "ours")
+    KimiK3VariantForCausalLM(tiny_config(**MXFP4_SHAPES, **fields)).save_pretrained(tmp_path / "ours")
     assert convert_main(["to-release", str(tmp_path / "ours"), str(tmp_path / "released"), "--no-progress"]) == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert re.fullmatch(rf"kimi-k3-convert: error: export_released: the released layout cannot represent .*"

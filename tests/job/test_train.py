@@ -38,6 +38,7 @@ from kimi_k3.policies.qk_clip import QKClip
 from kimi_k3.policies.quantile_balancing import QuantileBalancing
 from kimi_k3.text.tokenizer import load_tokenizer, train_bpe_tokenizer
 from modeling_kimi_k3 import KimiK3ForCausalLM
+from variants_kimi_k3 import KimiK3VariantForCausalLM
 from tests.conftest import TINY_CONFIG, tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -959,6 +960,6 @@ def test_each_variant_trains_through_config_overrides_and_its_folder_reloads(var
     assert all(math.isfinite(entry["balance/max_vio"]) for entry in state["log_history"] if "balance/max_vio" in entry)
     saved = json.loads((tmp_path / "run" / "model" / "config.json").read_text())
     assert {key: saved[key] for key in VARIANT_JOBS[variant]} == VARIANT_JOBS[variant]
-    model = KimiK3ForCausalLM.from_pretrained(tmp_path / "run" / "model").eval()
+    model = KimiK3VariantForCausalLM.from_pretrained(tmp_path / "run" / "model").eval()
     with torch.no_grad():
         assert torch.isfinite(model(torch.tensor([[5, 6, 7, 8]])).logits).all()

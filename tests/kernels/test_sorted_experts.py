@@ -13,6 +13,7 @@ from kimi_k3.kernels.sorted_experts import use_sorted_experts
 from modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3SparseMoeBlock
 from tests.conftest import CallCounter, tiny_config
 from tests.numerics import assert_as_accurate
+from variants_kimi_k3 import KimiK3VariantForCausalLM
 
 
 def experts_module(implementation: str = "grouped_mm", dtype: torch.dtype = torch.float32, seed: int = 0):
@@ -120,7 +121,7 @@ def test_sorted_experts_attach_to_every_fused_experts_module_and_come_off():
 
 def test_dynamic_k_experts_which_regroup_their_routes_first_are_left_alone():
     config = tiny_config(dynamic_experts_per_token=True, min_experts_per_token=1, max_experts_per_token=3)
-    model = KimiK3ForCausalLM(config)
+    model = KimiK3VariantForCausalLM(config)
     attachment = use_sorted_experts(model)
     assert find_routed_experts(model) and not any(attribute_owners(module) for module in model.modules())
     ids = torch.randint(3, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))

@@ -20,6 +20,7 @@ from kimi_k3.policies.qk_clip import QKClipCallback
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from tests.conftest import tiny_config
 from tests.numerics import BF16_EPS, assert_as_accurate
+from variants_kimi_k3 import KimiK3VariantForCausalLM
 
 
 def _one_step_update(grad, lr=1.0, **group):
@@ -412,7 +413,7 @@ def test_trainer_factory_trains_with_the_training_arguments_lr_and_weight_decay(
 
 def test_shared_basis_banks_are_orthogonalised_per_expert_block_and_coefficients_go_to_adamw():
     config = tiny_config(expert_basis_size=3)
-    model = KimiK3ForCausalLM(config)
+    model = KimiK3VariantForCausalLM(config)
     tags = {id(p): group for group in build_param_groups(model) for p in group["params"]}
     experts = model.model.layers[1].block_sparse_moe.experts
     gate_up, down = tags[id(experts.gate_up_basis)], tags[id(experts.down_basis)]

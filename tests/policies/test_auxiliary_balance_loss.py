@@ -5,6 +5,7 @@ from kimi_k3.attachments.seams import find_routers
 from kimi_k3.policies.auxiliary_balance_loss import AuxiliaryBalanceLoss, sequence_balance_loss
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from tests.conftest import tiny_config
+from variants_kimi_k3 import KimiK3VariantForCausalLM
 
 
 def balance_loss_from_the_formula(scores, top_k, lengths) -> float:
@@ -90,4 +91,4 @@ def test_alpha_and_routing_variants_are_refused_in_one_line():
     with pytest.raises(ValueError, match="alpha .* must be > 0, got 0"):
         AuxiliaryBalanceLoss(KimiK3ForCausalLM(tiny_config()), 0.0)
     with pytest.raises(ValueError, match="selects by selection_threshold"):
-        AuxiliaryBalanceLoss(KimiK3ForCausalLM(tiny_config(dynamic_experts_per_token=True)), 1e-4)
+        AuxiliaryBalanceLoss(KimiK3VariantForCausalLM(tiny_config(dynamic_experts_per_token=True)), 1e-4)

@@ -27,6 +27,7 @@ from kimi_k3.policies.quantile_balancing import (
 )
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from tests.conftest import tiny_config
+from variants_kimi_k3 import KimiK3VariantForCausalLM
 
 # ---------------------------------------------------------------------------------------------------------
 # A synthetic router: z_ij = μ_j + u_i·v_j + 0.5·ε_ij, s = σ(z)
@@ -659,7 +660,7 @@ def test_trainer_updates_once_per_optimizer_step_and_logs_metrics(model, tmp_pat
 def test_dynamic_k_mean_active_count_settles_within_five_percent_of_k_inside_the_bounds():
     torch.manual_seed(0)
     config = tiny_config(dynamic_experts_per_token=True, min_experts_per_token=1, max_experts_per_token=4)
-    model = KimiK3ForCausalLM(config).train()
+    model = KimiK3VariantForCausalLM(config).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     balancing = QuantileBalancing(model)
     balancing.attach(optimizer)
@@ -681,7 +682,7 @@ def test_dynamic_k_mean_active_count_settles_within_five_percent_of_k_inside_the
 
 
 def test_two_level_routing_balances_the_coarse_routers_and_reports_them_apart():
-    model = KimiK3ForCausalLM(tiny_config(num_coarse_experts=4, coarse_experts_per_token=2))
+    model = KimiK3VariantForCausalLM(tiny_config(num_coarse_experts=4, coarse_experts_per_token=2))
     balancing = QuantileBalancing(model, estimator="exact")
     balancing.attach()
     assert "layer_1.coarse_gate" in balancing.statistics
@@ -697,4 +698,4 @@ def test_two_level_routing_balances_the_coarse_routers_and_reports_them_apart():
     assert (after.max() - after.min()) < (before.max() - before.min()) and coarse.e_score_correction_bias[0] < 0
     assert "balance/coarse/max_vio" in metrics and set(balancing.latest_loads) == set(find_routers(model))
     with pytest.raises(ValueError, match="coarse_experts_per_token must be < num_coarse_experts"):
-        QuantileBalancing(KimiK3ForCausalLM(tiny_config(num_coarse_experts=1, coarse_experts_per_token=1)))
+        QuantileBalancing(KimiK3VariantForCausalLM(tiny_config(num_coarse_experts=1, coarse_experts_per_token=1)))

@@ -9,7 +9,7 @@ from kimi_k3.policies.quantile_balancing import QuantileBalancing
 from kimi_k3.policies.score_quantiles import refit_score_quantiles, score_bin_counts
 from modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3TopkRouter
 from tests.conftest import tiny_config
-from variants_kimi_k3 import KimiK3QuantileRouter, quantile_normalize, uniform_knots
+from variants_kimi_k3 import KimiK3QuantileRouter, KimiK3VariantForCausalLM, quantile_normalize, uniform_knots
 
 
 def fitted(scores: torch.Tensor, num_bins: int, steps: int) -> torch.Tensor:
@@ -66,7 +66,7 @@ def test_quantile_routing_balances_a_skewed_router_without_any_bias_update():
 
 def test_quantile_balancing_refits_the_knots_from_real_tokens_and_they_are_saved(tmp_path):
     torch.manual_seed(0)
-    model = KimiK3ForCausalLM(tiny_config(router_score_normalization="quantile", router_score_quantile_bins=8)).train()
+    model = KimiK3VariantForCausalLM(tiny_config(router_score_normalization="quantile", router_score_quantile_bins=8)).train()
     balancing = QuantileBalancing(model, update_rule="none", score_quantile_ema=0.0)
     balancing.attach()
     router, statistics = model.model.layers[1].block_sparse_moe.gate, balancing.statistics["layer_1"]
@@ -80,5 +80,5 @@ def test_quantile_balancing_refits_the_knots_from_real_tokens_and_they_are_saved
     assert torch.equal(router.score_quantiles, expected) and not torch.equal(expected, uniform_knots(8, 8))
     assert router.e_score_correction_bias.abs().max() == 0  # update_rule="none": the CDF alone moved
     model.save_pretrained(tmp_path)
-    reloaded = KimiK3ForCausalLM.from_pretrained(tmp_path)
+    reloaded = KimiK3VariantForCausalLM.from_pretrained(tmp_path)
     assert torch.equal(reloaded.model.layers[1].block_sparse_moe.gate.score_quantiles, expected)

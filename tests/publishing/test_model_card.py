@@ -23,6 +23,7 @@ from kimi_k3.publishing.model_card import (
 )
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from tests.conftest import tiny_config
+from variants_kimi_k3 import KimiK3VariantForCausalLM
 
 
 def summary(base_model: str | None = None, **fields) -> TrainingSummary:
@@ -187,7 +188,7 @@ def test_card_flags_are_checked_with_a_message_naming_the_flag(arguments, messag
 def test_card_names_the_enabled_variants_and_counts_a_shared_basis_as_active():
     assert "Stable LatentMoE variants" not in architecture_summary(tiny_config())
     config = tiny_config(expert_basis_size=3, attention_gate_routing=True)
-    model = KimiK3ForCausalLM(config)
+    model = KimiK3VariantForCausalLM(config)
     assert architecture_summary(config)["Stable LatentMoE variants"] == (
         "shared-basis experts (expert_basis_size), routing-modulated attention gates (attention_gate_routing)"
     )

@@ -28,6 +28,7 @@ from modeling_kimi_k3 import KimiK3Experts, KimiK3ForCausalLM, situ_and_mul
 from tests.conftest import tiny_config
 from tests.job.test_train import TINY_MODEL, run_interrupted, run_main, tiny_args, write_corpus
 from tests.numerics import assert_as_accurate
+from variants_kimi_k3 import KimiK3VariantForCausalLM
 
 # Expert input widths that MXFP4 can group (multiples of 32).
 QAT_SHAPES = {"routed_expert_hidden_size": 32, "moe_intermediate_size": 32}
@@ -388,12 +389,12 @@ def test_qat_job_folder_reloads_as_its_own_mxfp4_export_with_the_cards_eval_loss
 def test_qat_refuses_shared_basis_experts_in_one_line():
     with pytest.raises(ValueError, match=r"^QAT mxfp4 fake-quantizes each routed expert's own weight tensors; "
                                          r"shared-basis experts \(expert_basis_size\)"):
-        attach_qat(KimiK3ForCausalLM(tiny_config(expert_basis_size=2, routed_expert_hidden_size=32,
+        attach_qat(KimiK3VariantForCausalLM(tiny_config(expert_basis_size=2, routed_expert_hidden_size=32,
                                                  moe_intermediate_size=32)))
 
 
 def test_qat_trains_the_released_experts_of_the_routing_variants(ids):
-    model = KimiK3ForCausalLM(tiny_config(dynamic_experts_per_token=True, routed_expert_hidden_size=32,
+    model = KimiK3VariantForCausalLM(tiny_config(dynamic_experts_per_token=True, routed_expert_hidden_size=32,
                                           moe_intermediate_size=32))
     handle = attach_qat(model)
     assert len(handle.experts) == model.config.mlp_layer_types.count("sparse")
