@@ -343,7 +343,7 @@ class NarrowToHeads(ConversionOps):
 
     def convert(self, input_dict, source_patterns, target_patterns, config=None, **kwargs):
         (tensors,) = input_dict.values()
-        return {target_patterns[0]: tensors[0][: config.linear_attn_config["num_heads"]].clone()}
+        return {target_patterns[0]: tensors[0][: config.linear_num_heads].clone()}
 
 
 def released_layout_transforms() -> list[WeightConverter | PrefixChange]:
@@ -369,7 +369,7 @@ def released_tensor_shapes(name: str, shape: tuple[int, ...], config) -> dict[st
             )
         return {f"{key}_packed": (rows, columns // 2), f"{key}_scale": (rows, columns // MXFP4_GROUP_SIZE)}
     if name.endswith(".A_log"):
-        return {key: (max(shape[0], config.linear_attn_config["head_dim"]),)}  # zero-padded, never truncated
+        return {key: (max(shape[0], config.linear_head_dim),)}  # zero-padded, never truncated
     return {key: shape}
 
 

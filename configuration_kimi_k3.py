@@ -9,8 +9,10 @@ Defaults describe a small model that trains on a CPU in minutes while keeping ev
 import copy
 import importlib.metadata
 import types
-import typing
+from typing import Literal
 
+from huggingface_hub.dataclasses import strict
+from huggingface_hub.errors import StrictDataclassError, StrictDataclassFieldValidationError
 from packaging.specifiers import SpecifierSet
 from transformers.configuration_utils import PreTrainedConfig, SubConfigSpec
 from transformers.generation import GenerationConfig
@@ -45,10 +47,24 @@ if not transformers_is_supported():
         f"pip install 'transformers{SUPPORTED_TRANSFORMERS}'."
     )
 
-# Set once the constructor has checked and derived everything: from then on an assignment is checked too.
-CHECKS_ASSIGNMENTS = "_checks_assignments"
-ROUTER_SCORE_FUNCTIONS = ("sigmoid", "softmax")
-ROUTER_SCORE_NORMALIZATIONS = ("none", "quantile")
+# The release nests the KDA settings in `linear_attn_config` (beside its 1-based `kda_layers`/`full_attn_layers`); the
+# config reads them once into these flat fields (kimi_linear's names where it has them) and writes them back.
+RELEASED_LINEAR_ATTN_KEYS = {
+    "num_heads": "linear_num_heads",
+    "head_dim": "linear_head_dim",
+    "short_conv_kernel_size": "linear_conv_kernel_dim",
+    "gate_lower_bound": "linear_gate_lower_bound",
+    "use_full_rank_gate": "linear_use_full_rank_gate",
+}
+# The toy model of the tests, benchmarks and ablation suite (`KimiK3Config.tiny()`): 9 layers with every invariant of
+# the released configuration (KDA at 1-3 and 5-7, MLA at 4, 8 and 9) at toy widths; a forward takes milliseconds.
+TINY = {
+    "vocab_size": 97, "hidden_size": 32, "num_hidden_layers": 9, "max_position_embeddings": 512,
+    "num_attention_heads": 2, "q_lora_rank": 16, "kv_lora_rank": 12, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
+    "v_head_dim": 8, "linear_num_heads": 2, "linear_head_dim": 8, "intermediate_size": 48, "num_experts": 8,
+    "num_experts_per_token": 2, "num_shared_experts": 2, "moe_intermediate_size": 16, "routed_expert_hidden_size": 24,
+    "attn_res_block_size": 4,
+}  # fmt: skip
 # Stable LatentMoE ideas the release does not use (docs/variants.md), each field at the value that leaves it off.
 # config.json omits a field at this value, so a released-style configuration saves exactly as it always did.
 VARIANT_FIELDS_OFF = {
@@ -63,7 +79,6 @@ VARIANT_FIELDS_OFF = {
     "max_experts_per_token": None,
 }
 DEFAULT_SCORE_QUANTILE_BINS = 64
-SUPPORTED_ACTIVATIONS = ("situ", "silu", "gelu", "relu")
 # Training switches that older config.json files carry; they are not properties of the model, so they are dropped.
 RETIRED_TRAINING_SWITCHES = (
     "use_fused_situ", "router_balancing", "qb_num_bins", "qb_estimator", "record_attn_logit_max"
@@ -96,19 +111,8 @@ _WRAPPER_ONLY_KEYS = (
 )
 
 
-def _small_linear_attn_config() -> dict:
-    # 9 layers: KDA at 1-3 and 5-7, MLA at 4, 8 and 9 (two MLA layers at the end, as in the release).
-    return {
-        "kda_layers": [1, 2, 3, 5, 6, 7],
-        "full_attn_layers": [4, 8, 9],
-        "num_heads": 4,
-        "head_dim": 32,
-        "short_conv_kernel_size": 4,
-        "gate_lower_bound": -5.0,
-        "use_full_rank_gate": True,
-    }
 
-
+@strict
 class KimiK3Config(PreTrainedConfig):
     r"""
     Configuration for [`KimiK3ForCausalLM`]: the text tower of Kimi K3.
@@ -229,11 +233,19 @@ class KimiK3Config(PreTrainedConfig):
     mla_use_output_gate: bool = True
     attention_dropout: float = 0.0
 
-    # Kimi Delta Attention (Kimi Linear; K3 report §2.1); the 1-based layer lists also define the layer pattern.
-    linear_attn_config: dict | None = None
+    # Kimi Delta Attention (Kimi Linear; K3 report §2.1). config.json nests these in the release's
+    # `linear_attn_config` (keys in RELEASED_LINEAR_ATTN_KEYS), beside its 1-based layer lists.
+    linear_num_heads: int = 4
+    linear_head_dim: int = 32
+    linear_conv_kernel_dim: int = 4
+    linear_gate_lower_bound: float = -5.0  # lower bound of K3's sigmoid decay gate, in log space
+    linear_use_full_rank_gate: bool = True
+    # "linear_attention" (KDA) or "full_attention" (MLA) per layer; None gives the release's pattern: MLA at every
+    # fourth layer and at the last one.
+    layer_types: list[str] | None = None
 
     # Feed-forward (K3 report §2.3)
-    hidden_act: str = "situ"
+    hidden_act: Literal["situ", "silu", "gelu", "relu"] = "situ"
     activation_situ_beta: float | None = 4.0
     activation_situ_linear_beta: float | None = 25.0
     intermediate_size: int = 768
@@ -245,7 +257,7 @@ class KimiK3Config(PreTrainedConfig):
     moe_intermediate_size: int = 128
     routed_expert_hidden_size: int | None = 128
     latent_moe_use_norm: bool = True
-    moe_router_activation_func: str = "sigmoid"
+    moe_router_activation_func: Literal["sigmoid", "softmax"] = "sigmoid"
     moe_renormalize: bool = True
     routed_scaling_factor: float = 1.0
     topk_method: str = "noaux_tc"
@@ -263,7 +275,7 @@ class KimiK3Config(PreTrainedConfig):
     # shared-basis experts W_e = sum_j C[e, j] B_j over `expert_basis_size` basis matrices;
     expert_basis_size: int | None = None
     # top-k over each expert's score quantile u = F_e(s) ("quantile", with `router_score_quantile_bins` knots);
-    router_score_normalization: str = "none"
+    router_score_normalization: Literal["none", "quantile"] = "none"
     router_score_quantile_bins: int | None = None
     # MLA output gate sigma(W_g x + U r(x)), r(x) the layer's sparse routing weights of the attention input;
     attention_gate_routing: bool = False
@@ -275,10 +287,6 @@ class KimiK3Config(PreTrainedConfig):
     min_experts_per_token: int | None = None
     max_experts_per_token: int | None = None
 
-    # Canonical transformers layer descriptions, derived from the released fields.
-    layer_types: list[str] | None = None
-    mlp_layer_types: list[str] | None = None
-
     # MoonViT3d and the patch-merger projector (`configuration_kimi_k3_vision.py`), read by
     # `KimiK3ForConditionalGeneration`; the text classes ignore it.
     vision_config: dict | PreTrainedConfig | None = None
@@ -287,32 +295,71 @@ class KimiK3Config(PreTrainedConfig):
         text_config = kwargs.pop("text_config", None)
         if text_config is not None:
             kwargs = self._flatten_release_wrapper(text_config, kwargs)
-        if self.linear_attn_config is None:
-            self.linear_attn_config = _small_linear_attn_config()
+        self._read_layer_pattern(kwargs.pop("linear_attn_config", None), kwargs.pop("mlp_layer_types", None))
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         retired = sorted(key for key in RETIRED_TRAINING_SWITCHES if kwargs.pop(key, None) is not None)
         if retired:
             logger.info(f"Ignoring training switches that the training job owns now: {retired}")
+        self._fill_variant_defaults()
         super().__post_init__(**kwargs)
         self.auto_map = dict(VARIANT_AUTO_MAP if self.enabled_variants else AUTO_MAP)
         if self.vision_config is not None:
             self.auto_map.update(VISION_AUTO_MAP)
-        self._fill_variant_defaults()
-        self._validate()
-        self._derive_layer_types()
-        self.__dict__[CHECKS_ASSIGNMENTS] = True
 
     def to_dict(self) -> dict:
-        """``PreTrainedConfig.to_dict`` without the variant fields that are off, so the release saves unchanged."""
+        """``PreTrainedConfig.to_dict`` in the release's layout: the KDA fields nested in ``linear_attn_config``, the
+        derived ``mlp_layer_types`` written out, and the variant fields that are off left out, so the release saves
+        unchanged."""
         output = super().to_dict()
-        output.pop(CHECKS_ASSIGNMENTS, None)
+        for field in RELEASED_LINEAR_ATTN_KEYS.values():
+            output.pop(field, None)
+        output["linear_attn_config"] = self._released_linear_attn_config()
+        output["mlp_layer_types"] = self.mlp_layer_types
         if output.get("vision_config", 0) is None:  # a text-only model saves as it always did
             output.pop("vision_config")
         for name, off in VARIANT_FIELDS_OFF.items():
             if output.get(name, off) == off:
                 output.pop(name, None)
         return output
+
+    # ------------------------------------------------------------------ the release's layout
+    def _read_layer_pattern(self, linear_attn_config: dict | None, mlp_layer_types: list[str] | None) -> None:
+        """Read the release's nested ``linear_attn_config`` once into the flat fields, and check the layer lists
+        config.json also carries (``layer_types``, ``mlp_layer_types``) against what the release's fields say."""
+        if linear_attn_config is not None:
+            released = _flat_fields_of_linear_attn_config(linear_attn_config, self.num_hidden_layers)
+            for name, value in released.items():
+                given, default = getattr(self, name), self.__dataclass_fields__[name].default
+                if given not in (default, value):  # both spellings given, and they disagree: neither wins silently
+                    _refuse(name, f"`{name}`={given} contradicts `linear_attn_config` (which gives {value}); give "
+                                  "the setting once.")
+                setattr(self, name, value)
+        if self.layer_types is None:
+            self.layer_types = release_layer_pattern(self.num_hidden_layers)
+        if mlp_layer_types is not None and list(mlp_layer_types) != self.mlp_layer_types:
+            _refuse("mlp_layer_types", f"`mlp_layer_types`={mlp_layer_types} contradicts the pattern of "
+                                       f"`first_k_dense_replace`/`moe_layer_freq` ({self.mlp_layer_types}); drop "
+                                       "`mlp_layer_types` or fix those fields.")
+
+    def _released_linear_attn_config(self) -> dict:
+        return {
+            "kda_layers": [i + 1 for i in self.kda_layer_indices],
+            "full_attn_layers": [i + 1 for i in self.mla_layer_indices],
+            **{key: getattr(self, field) for key, field in RELEASED_LINEAR_ATTN_KEYS.items()},
+        }
+
+    @property
+    def linear_attn_config(self) -> types.MappingProxyType:
+        """The release's nested KDA settings, as config.json holds them (read-only: the fields are the flat
+        ``linear_*`` ones and ``layer_types``); assigning a whole one reads it into those fields."""
+        released = self._released_linear_attn_config()
+        return types.MappingProxyType({key: tuple(value) if isinstance(value, list) else value
+                                       for key, value in released.items()})
+
+    @linear_attn_config.setter
+    def linear_attn_config(self, released: dict) -> None:
+        self.update(_flat_fields_of_linear_attn_config(released, self.num_hidden_layers))
 
     def _flatten_release_wrapper(self, text_config: dict, kwargs: dict) -> dict:
         """Take the text part of a released multimodal ``config.json``.
@@ -345,17 +392,14 @@ class KimiK3Config(PreTrainedConfig):
                 setattr(self, key, value)
             else:
                 kwargs[key] = value
-        # The wrapper's layer lists are absent; recompute from the text part's linear_attn_config.
-        self.layer_types = None
-        self.mlp_layer_types = None
         logger.info(f"Read the text part of a released Kimi-K3 config; ignored wrapper keys: {sorted(dropped)}")
         return kwargs
 
+    # ------------------------------------------------------------------ presets
     @classmethod
     def kimi_k3(cls, **overrides) -> "KimiK3Config":
-        """The released Kimi-K3 text configuration (``moonshotai/Kimi-K3`` ``text_config``)."""
-        full_attn = [i for i in range(4, 93, 4)] + [93]
-        kda = [i for i in range(1, 94) if i not in full_attn]
+        """The released Kimi-K3 text configuration (``moonshotai/Kimi-K3`` ``text_config``); its 93 layers follow
+        the default layer pattern (MLA at layers 4, 8, ..., 92 and 93)."""
         values = {
             "vocab_size": 163840,
             "hidden_size": 7168,
@@ -371,15 +415,8 @@ class KimiK3Config(PreTrainedConfig):
             "qk_nope_head_dim": 128,
             "qk_rope_head_dim": 64,
             "v_head_dim": 128,
-            "linear_attn_config": {
-                "kda_layers": kda,
-                "full_attn_layers": full_attn,
-                "num_heads": 96,
-                "head_dim": 128,
-                "short_conv_kernel_size": 4,
-                "gate_lower_bound": -5.0,
-                "use_full_rank_gate": True,
-            },
+            "linear_num_heads": 96,
+            "linear_head_dim": 128,
             "intermediate_size": 33792,
             "num_experts": 896,
             "num_experts_per_token": 16,
@@ -389,19 +426,30 @@ class KimiK3Config(PreTrainedConfig):
             "attn_res_block_size": 12,
             "dtype": "bfloat16",
         }
-        values.update(overrides)
-        return cls(**values)
+        return cls(**{**values, **overrides})
+
+    @classmethod
+    def tiny(cls, **overrides) -> "KimiK3Config":
+        """The toy model of the tests, benchmarks and ablation suite (``TINY``): every K3 invariant, a forward in
+        milliseconds."""
+        return cls(**{**TINY, **overrides})
 
     # ------------------------------------------------------------------ derived properties
     @property
     def kda_layer_indices(self) -> list[int]:
         """0-based indices of the Kimi Delta Attention layers."""
-        return [i - 1 for i in self.linear_attn_config.get("kda_layers", [])]
+        return [i for i, kind in enumerate(self.layer_types or []) if kind == "linear_attention"]
 
     @property
     def mla_layer_indices(self) -> list[int]:
         """0-based indices of the Gated MLA layers."""
-        return [i - 1 for i in self.linear_attn_config.get("full_attn_layers", [])]
+        return [i for i, kind in enumerate(self.layer_types or []) if kind == "full_attention"]
+
+    @property
+    def mlp_layer_types(self) -> list[str]:
+        """"dense" or "sparse" (MoE) per layer, as transformers names them: derived from ``first_k_dense_replace``,
+        ``moe_layer_freq`` and ``num_experts``, so it never disagrees with them."""
+        return ["sparse" if self.is_moe_layer(i) else "dense" for i in range(self.num_hidden_layers)]
 
     @property
     def number_of_conv_states(self) -> int:
@@ -431,81 +479,38 @@ class KimiK3Config(PreTrainedConfig):
             and layer_idx % self.moe_layer_freq == 0
         )
 
-    def _derive_layer_types(self, recompute: bool = False) -> None:
-        """Set ``layer_types``/``mlp_layer_types`` from the released fields; given ones must agree unless
-        ``recompute`` (after an assignment to a field they derive from)."""
-        mla = set(self.mla_layer_indices)
-        layer_types = ["full_attention" if i in mla else "linear_attention" for i in range(self.num_hidden_layers)]
-        mlp_layer_types = ["sparse" if self.is_moe_layer(i) else "dense" for i in range(self.num_hidden_layers)]
-        for name, derived in (("layer_types", layer_types), ("mlp_layer_types", mlp_layer_types)):
-            given = getattr(self, name)
-            if not recompute and given is not None and list(given) != derived:
-                raise ValueError(
-                    f"`{name}`={given} contradicts the layer pattern derived from `linear_attn_config` and "
-                    f"`first_k_dense_replace`/`moe_layer_freq` ({derived}); drop `{name}` or fix those fields."
-                )
-            self.__dict__[name] = derived  # not through __setattr__, which checks assignments by calling this
-
-    # ------------------------------------------------------------------ checks that hold after construction
-    def __setattr__(self, key, value):
-        if self._is_checked_field(key) and self.__dict__.get(CHECKS_ASSIGNMENTS):
-            self._assign_checked({key: value})
+    # ------------------------------------------------------------------ assignments after construction
+    def __setattr__(self, name, value):
+        """@strict checks an assigned value's type; once the config is built, the cross-field rules run too, so
+        ``config.num_experts_per_token = 100`` is refused (and undone) where it is written, not at save time."""
+        if self.__dict__.get("_post_init_done") and self.attribute_map.get(name, name) in self.__dataclass_fields__:
+            self.update({name: value})
         else:
-            super().__setattr__(key, value)
+            super().__setattr__(name, value)
 
     def update(self, config_dict: dict) -> None:
         """Set every field of ``config_dict``, then check them together: fields that only agree with each other
         (``num_experts`` and ``num_experts_per_token``) can change in one call. Nothing changes when refused."""
-        self._assign_checked(dict(config_dict))
-
-    def validate(self) -> None:
-        """transformers' checks, then this config's own: ``save_pretrained`` calls it, so a field changed in place
-        (``config.linear_attn_config["kda_layers"].append(...)``) is refused before a folder that fails to load is
-        written."""
-        super().validate()
-        self._validate()
-        self._derive_layer_types()
-
-    def _is_checked_field(self, key: str) -> bool:
-        return self.attribute_map.get(key, key) in KimiK3Config.__annotations__
-
-    def _assign_checked(self, assignments: dict) -> None:
-        """Assign, then run the constructor's checks; a refused assignment is undone and names the fields."""
-        fields = {self.attribute_map.get(key, key): value for key, value in assignments.items()}
-        missing = object()
-        previous = {name: self.__dict__.get(name, missing) for name in fields}
-        for name, value in fields.items():
-            PreTrainedConfig.__setattr__(self, name, value)
+        before = dict(self.__dict__)
         try:
-            self._validate()
-            self._derive_layer_types(recompute=not fields.keys() & {"layer_types", "mlp_layer_types"})
-        except ValueError as error:
-            for name, value in previous.items():
-                if value is missing:
-                    delattr(self, name)
-                else:
-                    PreTrainedConfig.__setattr__(self, name, value)
-            self._derive_layer_types(recompute=True)
-            settings = ", ".join(f"{key}={value!r}" for key, value in assignments.items())
-            raise ValueError(f"KimiK3Config refused {settings}: {error}") from None
+            for name, value in config_dict.items():  # by the field's own name, which @strict checks the type of
+                super().__setattr__(self.attribute_map.get(name, name), value)
+            self.validate()
+        except StrictDataclassError:
+            self.__dict__.clear()
+            self.__dict__.update(before)
+            raise
 
-    # ------------------------------------------------------------------ validation
-    def _validate(self) -> None:
-        """Reject every inconsistent or unsupported setting with a message naming the field."""
-        self._validate_field_types()
+    # ------------------------------------------------------------------ @strict class validators
+    def validate_architecture(self) -> None:
+        """Sizes and the settings K3 fixes."""
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                     "max_position_embeddings", "moe_layer_freq"):
-            _require_positive_int(name, getattr(self, name))
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"`rms_norm_eps` must be > 0, got {self.rms_norm_eps}.")
-        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
-            raise ValueError(f"`hidden_act` must be one of {SUPPORTED_ACTIVATIONS}, got {self.hidden_act!r}.")
-        for name in ("activation_situ_beta", "activation_situ_linear_beta"):
+                     "max_position_embeddings", "moe_layer_freq", "attn_res_block_size"):
+            _require_positive(name, getattr(self, name))
+        for name in ("rms_norm_eps", "activation_situ_beta", "activation_situ_linear_beta"):
             value = getattr(self, name)
             if value is not None and not value > 0:
-                raise ValueError(f"`{name}` must be > 0 or None, got {value}.")
-        if self.attn_res_block_size is not None:
-            _require_positive_int("attn_res_block_size", self.attn_res_block_size)
+                raise ValueError(f"`{name}` must be > 0{' or None' if name != 'rms_norm_eps' else ''}, got {value}.")
         if self.num_nextn_predict_layers != 0:
             raise ValueError(
                 f"`num_nextn_predict_layers` must be 0 (multi-token prediction layers are not supported), "
@@ -516,123 +521,79 @@ class KimiK3Config(PreTrainedConfig):
                 f"`first_k_dense_replace` must be in [0, num_hidden_layers={self.num_hidden_layers}], "
                 f"got {self.first_k_dense_replace}."
             )
-        self._validate_layer_lists()
+
+    def validate_attention_layers(self) -> None:
+        """Each layer is KDA or MLA; a model without MLA layers cannot use transformers' cache."""
+        allowed = ("linear_attention", "full_attention")
+        if any(kind not in allowed for kind in self.layer_types):
+            raise ValueError(f"`layer_types` entries must be one of {allowed} (KDA, MLA), got {self.layer_types}.")
         if not self.mla_layer_indices and self.use_cache:
             raise ValueError(
-                "`use_cache` must be False when `linear_attn_config.full_attn_layers` is empty: transformers' cache "
-                "counts tokens in attention layers only, so a model of KDA layers alone generates by full forwards."
+                "`use_cache` must be False when no layer is MLA (`full_attention`; `linear_attn_config.full_attn_layers`"
+                " is empty): transformers' cache counts tokens in attention layers only, so a model of KDA layers "
+                "alone generates by full forwards."
             )
-        if self.kda_layer_indices:
-            self._validate_kda()
-        if self.mla_layer_indices:
-            self._validate_mla()
-        if self.num_experts is not None:
-            self._validate_moe()
-        if self.enabled_variants or any(getattr(self, name) != off for name, off in VARIANT_FIELDS_OFF.items()):
-            self._validate_variants()
 
-    def _validate_field_types(self) -> None:
-        """Each field of this class holds a value of its annotated type: a string such as `"1e-6"` from a hand-edited
-        config.json is refused here, naming the field, rather than failing later in arithmetic."""
-        for name, annotation in KimiK3Config.__annotations__.items():
-            value = getattr(self, name)
-            if not _is_instance(value, annotation):
-                raise ValueError(
-                    f"`{name}` must be {_type_name(annotation)}, got {value!r} ({type(value).__name__})."
-                )
-
-    def _validate_layer_lists(self) -> None:
-        cfg = self.linear_attn_config
-        if not isinstance(cfg, dict):
-            raise ValueError(f"`linear_attn_config` must be a dict, got {type(cfg).__name__}.")
-        lists = {}
-        for key in ("kda_layers", "full_attn_layers"):
-            layers = cfg.get(key)
-            if layers is None:
-                raise ValueError(f"`linear_attn_config.{key}` is missing; give the 1-based layer numbers (may be []).")
-            if len(set(layers)) != len(layers):
-                raise ValueError(f"`linear_attn_config.{key}` lists a layer twice: {layers}.")
-            bad = [i for i in layers if not isinstance(i, int) or not 1 <= i <= self.num_hidden_layers]
-            if bad:
-                raise ValueError(
-                    f"`linear_attn_config.{key}` holds 1-based layer numbers in [1, {self.num_hidden_layers}]; "
-                    f"out of range: {bad}."
-                )
-            lists[key] = set(layers)
-        overlap = lists["kda_layers"] & lists["full_attn_layers"]
-        if overlap:
+    def validate_kda(self) -> None:
+        if not self.kda_layer_indices:
+            return
+        for name in ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim"):
+            _require_positive(name, getattr(self, name))
+        if not self.linear_gate_lower_bound < 0:
             raise ValueError(
-                f"`linear_attn_config.kda_layers` and `full_attn_layers` overlap at layers {sorted(overlap)}."
+                f"`linear_gate_lower_bound` (`linear_attn_config.gate_lower_bound`) must be a negative number (the K3 "
+                f"sigmoid decay gate), got {self.linear_gate_lower_bound!r}."
             )
-        missing = set(range(1, self.num_hidden_layers + 1)) - lists["kda_layers"] - lists["full_attn_layers"]
-        if missing:
-            raise ValueError(
-                f"Layers {sorted(missing)} are in neither `linear_attn_config.kda_layers` nor `full_attn_layers`."
-            )
+        if not self.linear_use_full_rank_gate:
+            raise ValueError("`linear_use_full_rank_gate` (`linear_attn_config.use_full_rank_gate`) must be True "
+                             "(K3's full-rank output gate).")
 
-    def _validate_kda(self) -> None:
-        cfg = self.linear_attn_config
-        for key in ("num_heads", "head_dim", "short_conv_kernel_size"):
-            _require_positive_int(f"linear_attn_config.{key}", cfg.get(key))
-        lower_bound = cfg.get("gate_lower_bound")
-        if lower_bound is None or not lower_bound < 0:
-            raise ValueError(
-                f"`linear_attn_config.gate_lower_bound` must be a negative number (the K3 sigmoid decay gate), "
-                f"got {lower_bound!r}."
-            )
-        if cfg.get("use_full_rank_gate", True) is not True:
-            raise ValueError("`linear_attn_config.use_full_rank_gate` must be True (K3's full-rank output gate).")
-
-    def _validate_mla(self) -> None:
+    def validate_mla(self) -> None:
+        if not self.mla_layer_indices:
+            return
         for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
-            value = getattr(self, name)
-            if value is None:
-                raise ValueError(f"`{name}` is required because the config has MLA layers (`full_attn_layers`).")
-            _require_positive_int(name, value)
-        if self.q_lora_rank is not None:
-            _require_positive_int("q_lora_rank", self.q_lora_rank)
+            if getattr(self, name) is None:
+                raise ValueError(f"`{name}` is required because the config has MLA layers (`full_attention`).")
+            _require_positive(name, getattr(self, name))
+        _require_positive("q_lora_rank", self.q_lora_rank)
         if self.qk_rope_head_dim is None or self.qk_rope_head_dim < 0:
             raise ValueError(f"`qk_rope_head_dim` must be an integer >= 0, got {self.qk_rope_head_dim!r}.")
         if not self.mla_use_nope:
             raise ValueError("`mla_use_nope` must be True: K3's MLA uses no rotary embedding.")
 
-    def _validate_moe(self) -> None:
-        for name in ("num_experts", "num_experts_per_token", "moe_intermediate_size"):
-            _require_positive_int(name, getattr(self, name))
+    def validate_moe(self) -> None:
+        if self.num_experts is None:
+            return
+        for name in ("num_experts", "num_experts_per_token", "moe_intermediate_size", "routed_expert_hidden_size"):
+            _require_positive(name, getattr(self, name))
         if self.num_experts_per_token > self.num_experts:
             raise ValueError(
                 f"`num_experts_per_token` ({self.num_experts_per_token}) must be <= `num_experts` ({self.num_experts})."
             )
         if self.num_shared_experts < 0:
             raise ValueError(f"`num_shared_experts` must be >= 0, got {self.num_shared_experts}.")
-        if self.routed_expert_hidden_size is not None:
-            _require_positive_int("routed_expert_hidden_size", self.routed_expert_hidden_size)
         if not self.routed_scaling_factor > 0:
             raise ValueError(f"`routed_scaling_factor` must be > 0, got {self.routed_scaling_factor}.")
-        if self.moe_router_activation_func not in ROUTER_SCORE_FUNCTIONS:
-            raise ValueError(
-                f"`moe_router_activation_func` must be one of {ROUTER_SCORE_FUNCTIONS}, "
-                f"got {self.moe_router_activation_func!r}."
-            )
         if self.num_expert_group != 1 or self.topk_group != 1:
             raise ValueError(
                 f"Group-limited routing is not supported: `num_expert_group` and `topk_group` must be 1, "
                 f"got {self.num_expert_group} and {self.topk_group}."
             )
 
-
     # ------------------------------------------------------------------ variants
     def _fill_variant_defaults(self) -> None:
         """The documented defaults of a switched-on variant's own sizes, written out so config.json states them."""
         if self.router_score_normalization == "quantile" and self.router_score_quantile_bins is None:
             self.router_score_quantile_bins = DEFAULT_SCORE_QUANTILE_BINS
-        if self.dynamic_experts_per_token is True and isinstance(self.num_experts, int):
+        if self.dynamic_experts_per_token and self.num_experts is not None:
             if self.min_experts_per_token is None:
                 self.min_experts_per_token = 1
-            if self.max_experts_per_token is None and isinstance(self.num_experts_per_token, int):
+            if self.max_experts_per_token is None:
                 self.max_experts_per_token = min(2 * self.num_experts_per_token, self.num_experts)
 
-    def _validate_variants(self) -> None:
+    def validate_variants(self) -> None:
+        if not self.enabled_variants and all(getattr(self, name) == off for name, off in VARIANT_FIELDS_OFF.items()):
+            return
         if self.num_experts is None:
             what = self.enabled_variants[0] if self.enabled_variants else "A variant field"
             raise ValueError(f"{what} needs routed experts: set `num_experts`.")
@@ -644,7 +605,7 @@ class KimiK3Config(PreTrainedConfig):
         for name in ("min_experts_per_token", "max_experts_per_token"):
             _require_dependent(name, getattr(self, name), "dynamic_experts_per_token=true", dynamic)
         selection_rules = {
-            "router_score_normalization='quantile'": self.router_score_normalization != "none",
+            "router_score_normalization='quantile'": quantile,
             "num_coarse_experts": self.num_coarse_experts is not None,
             "dynamic_experts_per_token": dynamic,
         }
@@ -652,42 +613,39 @@ class KimiK3Config(PreTrainedConfig):
         if len(chosen) > 1:
             raise ValueError(f"{' and '.join(chosen)} each replace the router's selection rule; enable at most one.")
         if self.expert_basis_size is not None:
-            self._validate_shared_basis()
-        if self.router_score_normalization not in ROUTER_SCORE_NORMALIZATIONS:
-            raise ValueError(f"`router_score_normalization` must be one of {ROUTER_SCORE_NORMALIZATIONS}, "
-                             f"got {self.router_score_normalization!r}.")
+            self._check_shared_basis()
         bins = self.router_score_quantile_bins
         if bins is not None and bins < 2:
             raise ValueError(f"`router_score_quantile_bins` must be an integer >= 2, got {bins}.")
         if self.attention_gate_routing:
-            self._validate_attention_gate_routing()
+            self._check_attention_gate_routing()
         if self.num_coarse_experts is not None:
-            self._validate_two_level_routing()
+            self._check_two_level_routing()
         if dynamic:
-            self._validate_dynamic_experts()
+            self._check_dynamic_experts()
 
-    def _validate_shared_basis(self) -> None:
-        _require_positive_int("expert_basis_size", self.expert_basis_size)
+    def _check_shared_basis(self) -> None:
+        _require_positive("expert_basis_size", self.expert_basis_size)
         if self.expert_basis_size > self.num_experts:
             raise ValueError(f"`expert_basis_size` ({self.expert_basis_size}) must be <= `num_experts` "
                              f"({self.num_experts}): a larger basis holds more weights than independent experts.")
 
-    def _validate_attention_gate_routing(self) -> None:
+    def _check_attention_gate_routing(self) -> None:
         if not self.mla_use_output_gate:
             raise ValueError("`attention_gate_routing` modulates MLA's output gate: it needs "
                              "`mla_use_output_gate=true`.")
         routed_mla = [i for i in self.mla_layer_indices if self.is_moe_layer(i)]
         if not routed_mla:
             raise ValueError("`attention_gate_routing` reads the routing of an MLA layer's own router, but no MLA "
-                             "layer (`linear_attn_config.full_attn_layers`) is an MoE layer.")
+                             "layer (`full_attention`) is an MoE layer.")
 
-    def _validate_two_level_routing(self) -> None:
+    def _check_two_level_routing(self) -> None:
         groups, chosen, k = self.num_coarse_experts, self.coarse_experts_per_token, self.num_experts_per_token
-        _require_positive_int("num_coarse_experts", groups)
+        _require_positive("num_coarse_experts", groups)
         if chosen is None:
             raise ValueError("`coarse_experts_per_token` is required with `num_coarse_experts`: how many of the coarse "
                              f"experts each token picks, in [1, {groups}].")
-        _require_positive_int("coarse_experts_per_token", chosen)
+        _require_positive("coarse_experts_per_token", chosen)
         if self.num_experts % groups:
             raise ValueError(f"`num_coarse_experts` ({groups}) must divide `num_experts` ({self.num_experts}): each "
                              "coarse expert owns num_experts / num_coarse_experts fine experts.")
@@ -703,14 +661,68 @@ class KimiK3Config(PreTrainedConfig):
                              f"experts: it needs `moe_renormalize=true` and `num_experts_per_token` >= 2, got "
                              f"{self.moe_renormalize} and {k}.")
 
-    def _validate_dynamic_experts(self) -> None:
+    def _check_dynamic_experts(self) -> None:
         low, high, k = self.min_experts_per_token, self.max_experts_per_token, self.num_experts_per_token
-        _require_positive_int("min_experts_per_token", low)
-        _require_positive_int("max_experts_per_token", high)
+        _require_positive("min_experts_per_token", low)
+        _require_positive("max_experts_per_token", high)
         if not low <= k <= high <= self.num_experts:
             raise ValueError(f"Dynamic k needs 1 <= `min_experts_per_token` <= `num_experts_per_token` <= "
                              f"`max_experts_per_token` <= `num_experts`, got {low} <= {k} <= {high} <= "
                              f"{self.num_experts}.")
+
+
+def release_layer_pattern(num_hidden_layers: int) -> list[str]:
+    """The release's layer pattern for any depth: MLA at every fourth layer and at the last one, KDA elsewhere."""
+    return ["full_attention" if (i + 1) % 4 == 0 or i + 1 == num_hidden_layers else "linear_attention"
+            for i in range(num_hidden_layers)]
+
+
+def _flat_fields_of_linear_attn_config(released, num_hidden_layers: int) -> dict:
+    """The flat fields (``linear_*``, ``layer_types``) that a release-format ``linear_attn_config`` states; any key
+    missing or unknown, or a layer list that does not name every layer once, is refused naming the key."""
+    try:
+        layers = _released_layer_lists(released, num_hidden_layers)
+    except ValueError as error:
+        raise StrictDataclassFieldValidationError(field="linear_attn_config", cause=error) from error
+    fields = {field: released[key] for key, field in RELEASED_LINEAR_ATTN_KEYS.items() if key in released}
+    full = set(layers["full_attn_layers"])
+    fields["layer_types"] = ["full_attention" if i + 1 in full else "linear_attention" for i in range(num_hidden_layers)]
+    return fields
+
+
+def _released_layer_lists(released, num_hidden_layers: int) -> dict[str, list]:
+    if not isinstance(released, dict):
+        raise ValueError(f"`linear_attn_config` must be a dict, got {type(released).__name__}.")
+    allowed = ("kda_layers", "full_attn_layers", *RELEASED_LINEAR_ATTN_KEYS)
+    unknown = sorted(set(released) - set(allowed))
+    if unknown:
+        raise ValueError(f"`linear_attn_config` has unknown keys {unknown}; its keys are {list(allowed)}.")
+    missing = [key for key in allowed if key not in released and key != "use_full_rank_gate"]
+    if missing:
+        raise ValueError(f"`linear_attn_config.{missing[0]}` is missing (its keys are {list(allowed)}; the layer "
+                         "lists hold 1-based layer numbers and may be []).")
+    layer_numbers = range(1, num_hidden_layers + 1)
+    for key in ("kda_layers", "full_attn_layers"):
+        layers = list(released[key])
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"`linear_attn_config.{key}` lists a layer twice: {layers}.")
+        bad = [i for i in layers if i not in layer_numbers]
+        if bad:
+            raise ValueError(f"`linear_attn_config.{key}` holds 1-based layer numbers in [1, {num_hidden_layers}]; "
+                             f"out of range: {bad}.")
+    kda, full = set(released["kda_layers"]), set(released["full_attn_layers"])
+    if kda & full:
+        raise ValueError(f"`linear_attn_config.kda_layers` and `full_attn_layers` overlap at layers {sorted(kda & full)}.")
+    neither = sorted(set(layer_numbers) - kda - full)
+    if neither:
+        raise ValueError(f"Layers {neither} are in neither `linear_attn_config.kda_layers` nor `full_attn_layers`.")
+    return {"kda_layers": sorted(kda), "full_attn_layers": sorted(full)}
+
+
+def _refuse(field: str, message: str) -> None:
+    """Refuse a value read at construction the way @strict refuses one: an error naming the field."""
+    cause = ValueError(message)
+    raise StrictDataclassFieldValidationError(field=field, cause=cause) from cause
 
 
 def _require_dependent(name: str, value, switch: str, switched_on: bool) -> None:
@@ -719,36 +731,16 @@ def _require_dependent(name: str, value, switch: str, switched_on: bool) -> None
         raise ValueError(f"`{name}` is set ({value!r}) but only applies with {switch}.")
 
 
+def _require_positive(name: str, value: int | None) -> None:
+    """Sizes must be >= 1 (``None``, where a field allows it, switches the part off and is not checked here)."""
+    if value is not None and value < 1:
+        raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+
+
 def _handled_by_pretrained_config(key: str) -> bool:
     """Keys `PreTrainedConfig` consumes itself: its attributes, private plumbing and generation defaults."""
     generation_defaults = GenerationConfig._get_default_generation_params()
     return key.startswith("_") or hasattr(PreTrainedConfig, key) or key in generation_defaults
-
-
-def _is_instance(value, annotation) -> bool:
-    """isinstance for field annotations: unions, ``list[int]``; an int is a float, a bool is not a number."""
-    origin, arguments = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin in (typing.Union, types.UnionType):
-        return any(_is_instance(value, arm) for arm in arguments)
-    if annotation is type(None):
-        return value is None
-    if annotation in (int, float):
-        return isinstance(value, int if annotation is int else (int, float)) and not isinstance(value, bool)
-    if origin is list:
-        return isinstance(value, (list, tuple)) and all(_is_instance(item, arguments[0]) for item in value)
-    return isinstance(value, origin or annotation)
-
-
-def _type_name(annotation) -> str:
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(arm) for arm in typing.get_args(annotation))
-    return {type(None): "null", float: "a number", int: "an integer", bool: "true or false", str: "a string",
-            dict: "an object (dict)"}.get(annotation, str(annotation))
-
-
-def _require_positive_int(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
 
 
 KimiK3Config.register_for_auto_class()

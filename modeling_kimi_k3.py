@@ -642,12 +642,11 @@ class KimiK3DeltaAttention(KeepsFloat32Tensors):
 
     def __init__(self, config: KimiK3Config, layer_idx: int):
         super().__init__()
-        linear_cfg = config.linear_attn_config
         self.layer_idx = layer_idx
-        self.num_heads = linear_cfg["num_heads"]
-        self.head_dim = linear_cfg["head_dim"]
-        self.conv_kernel_size = linear_cfg["short_conv_kernel_size"]
-        self.gate_lower_bound = float(linear_cfg["gate_lower_bound"])
+        self.num_heads = config.linear_num_heads
+        self.head_dim = config.linear_head_dim
+        self.conv_kernel_size = config.linear_conv_kernel_dim
+        self.gate_lower_bound = float(config.linear_gate_lower_bound)
         projection_size = self.num_heads * self.head_dim
         hidden_size = config.hidden_size
 
@@ -1407,7 +1406,7 @@ def _check_cache_type(cache: Cache | None, config, device: torch.device) -> None
         )
     if not config.mla_layer_indices:
         raise ValueError(
-            "This model has no MLA layer (`linear_attn_config.full_attn_layers` is empty) and transformers' cache "
+            "This model has no MLA layer (no `full_attention` in `layer_types`) and transformers' cache "
             "counts tokens in attention layers only: call it with `use_cache=False` (`generate` then runs full "
             "forwards)."
         )

@@ -55,7 +55,6 @@ def byte_sequences(seq_len: int) -> list[dict[str, torch.Tensor]]:
 
 def tiny_k3_config(args: argparse.Namespace) -> KimiK3Config:
     """Default K3 sparsity and layer pattern at a width that trains on two CPU cores in about a minute."""
-    full = list(range(4, args.layers + 1, 4)) or [args.layers]
     return KimiK3Config(
         vocab_size=256,
         hidden_size=args.hidden_size,
@@ -66,15 +65,11 @@ def tiny_k3_config(args: argparse.Namespace) -> KimiK3Config:
         qk_nope_head_dim=16,
         qk_rope_head_dim=8,
         v_head_dim=16,
-        linear_attn_config={
-            "kda_layers": [i for i in range(1, args.layers + 1) if i not in full],
-            "full_attn_layers": full,
-            "num_heads": 2,
-            "head_dim": 16,
-            "short_conv_kernel_size": 4,
-            "gate_lower_bound": -5.0,
-            "use_full_rank_gate": True,
-        },
+        # MLA at every fourth layer, or at the last of fewer than four.
+        layer_types=["full_attention" if i % 4 == 0 or args.layers < 4 and i == args.layers else "linear_attention"
+                     for i in range(1, args.layers + 1)],
+        linear_num_heads=2,
+        linear_head_dim=16,
         intermediate_size=4 * args.hidden_size,
         moe_intermediate_size=32,
         routed_expert_hidden_size=args.hidden_size // 2,

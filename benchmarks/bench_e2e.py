@@ -56,7 +56,6 @@ def kimi_linear_config(config: KimiK3Config) -> KimiLinearConfig:
     What cannot match: its experts run at full width (no latent projection), its decay gate is the softplus form,
     its activation is SiLU, and it has no Block Attention Residuals.
     """
-    linear = config.linear_attn_config
     return KimiLinearConfig(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
@@ -74,8 +73,10 @@ def kimi_linear_config(config: KimiK3Config) -> KimiLinearConfig:
         num_local_experts=config.num_experts,
         num_experts_per_tok=config.num_experts_per_token,
         routed_scaling_factor=config.routed_scaling_factor,
-        linear_attn_config={key: linear[key] for key in ("kda_layers", "full_attn_layers", "num_heads", "head_dim",
-                                                         "short_conv_kernel_size")},
+        layer_types=list(config.layer_types),
+        linear_num_heads=config.linear_num_heads,
+        linear_head_dim=config.linear_head_dim,
+        linear_conv_kernel_dim=config.linear_conv_kernel_dim,
         first_k_dense_replace=config.first_k_dense_replace,
         max_position_embeddings=config.max_position_embeddings,
         pad_token_id=config.pad_token_id,

@@ -26,6 +26,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without installing
 
 from benchmarks.common import bench_arguments, report, time_interleaved  # noqa: E402
+from configuration_kimi_k3 import TINY  # noqa: E402
 from kimi_k3.job import main as train  # noqa: E402
 from kimi_k3.job.final_save import FINAL_MODEL_DIR  # noqa: E402
 from kimi_k3.text.corpus import load_corpus, tokenize_into_blocks  # noqa: E402
@@ -41,13 +42,11 @@ from kimi_k3.checkpoint.release_format import export_released  # noqa: E402
 from kimi_k3.text.tokenizer import load_tokenizer  # noqa: E402
 from modeling_kimi_k3 import KimiK3ForCausalLM  # noqa: E402
 
-QUICK_MODEL = {
-    "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 2, "q_lora_rank": 32, "kv_lora_rank": 32,
-    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "intermediate_size": 128, "num_experts": 8,
-    "num_experts_per_token": 2, "moe_intermediate_size": 32, "routed_expert_hidden_size": 32,
-    "linear_attn_config": {"kda_layers": [1, 2, 3], "full_attn_layers": [4], "num_heads": 2, "head_dim": 16,
-                           "short_conv_kernel_size": 4, "gate_lower_bound": -5.0, "use_full_rank_gate": True},
-}  # fmt: skip
+# `KimiK3Config.tiny()` with expert widths MXFP4 can store (multiples of its 32-element groups), its vocabulary sized
+# by the tokenizer.
+QUICK_MODEL = {key: value for key, value in TINY.items() if key != "vocab_size"} | {
+    "routed_expert_hidden_size": 32, "moe_intermediate_size": 32,
+}
 
 
 def arguments(parser) -> None:

@@ -17,44 +17,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from configuration_kimi_k3 import KimiK3Config  # noqa: E402
+from configuration_kimi_k3 import TINY, KimiK3Config  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
-# A 9-layer model with every invariant of the released configuration (KimiK3Config checks them) at toy widths: runs a forward in milliseconds.
-TINY_CONFIG = {
-    "vocab_size": 97,
-    "hidden_size": 32,
-    "num_hidden_layers": 9,
-    "num_attention_heads": 2,
-    "q_lora_rank": 16,
-    "kv_lora_rank": 12,
-    "qk_nope_head_dim": 8,
-    "qk_rope_head_dim": 4,
-    "v_head_dim": 8,
-    "linear_attn_config": {
-        "kda_layers": [1, 2, 3, 5, 6, 7],
-        "full_attn_layers": [4, 8, 9],
-        "num_heads": 2,
-        "head_dim": 8,
-        "short_conv_kernel_size": 4,
-        "gate_lower_bound": -5.0,
-        "use_full_rank_gate": True,
-    },
-    "intermediate_size": 48,
-    "num_experts": 8,
-    "num_experts_per_token": 2,
-    "num_shared_experts": 2,
-    "moe_intermediate_size": 16,
-    "routed_expert_hidden_size": 24,
-    "attn_res_block_size": 4,
-    "max_position_embeddings": 512,
-}
-
-
-def tiny_config(**overrides) -> KimiK3Config:
-    return KimiK3Config(**{**TINY_CONFIG, **overrides})
+TINY_CONFIG = TINY  # the fields of `KimiK3Config.tiny()`, for --config_overrides and dict-built configs
+tiny_config = KimiK3Config.tiny
 
 
 class CallCounter:

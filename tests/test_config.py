@@ -1,16 +1,25 @@
-"""KimiK3Config: released field names, derived layer descriptions, release JSON, validation errors."""
+"""KimiK3Config: released field names, flat fields read from the release's layout, release JSON, validation errors."""
 
-import copy
 import json
+import re
+from pathlib import Path
 
 import pytest
+from huggingface_hub.errors import StrictDataclassError
 
-from configuration_kimi_k3 import VARIANT_FIELDS_OFF, KimiK3Config
-from tests.conftest import tiny_config
+from configuration_kimi_k3 import RELEASED_LINEAR_ATTN_KEYS, TINY, VARIANT_FIELDS_OFF, KimiK3Config
+from tests.conftest import ROOT, tiny_config
+from tests.golden.record_release_default import config_json
+
+GOLDEN = json.loads((Path(__file__).resolve().parent / "golden" / "release_default.json").read_text())
+TINY_LINEAR_ATTN_CONFIG = {"kda_layers": [1, 2, 3, 5, 6, 7], "full_attn_layers": [4, 8, 9], "num_heads": 2,
+                           "head_dim": 8, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
+                           "use_full_rank_gate": True}  # fmt: skip
 
 
 def test_layer_types_come_from_one_based_released_lists():
-    config = tiny_config()
+    config = tiny_config(linear_attn_config=TINY_LINEAR_ATTN_CONFIG)
+    assert config.to_dict() == tiny_config().to_dict()  # the default pattern is the release's
     assert config.layer_types == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + [
         "full_attention"
     ] * 2
@@ -48,6 +57,59 @@ def test_save_and_reload_round_trip(tmp_path):
     assert reloaded.to_dict() == config.to_dict()
 
 
+@pytest.mark.parametrize("name", ["default", "released", "tiny"])
+def test_a_recorded_config_json_round_trips_byte_for_byte(tmp_path, name):
+    """The config.json texts recorded from the release configurations (nested ``linear_attn_config`` and all) load
+    into the flat fields and save back unchanged."""
+    text = json.dumps({**GOLDEN[f"{name}_config_json"], "transformers_version": "5.24.0"}, indent=2, sort_keys=True)
+    (tmp_path / "config.json").write_text(text + "\n")
+    loaded = KimiK3Config.from_pretrained(tmp_path)
+    loaded.save_pretrained(tmp_path / "again")
+    saved = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert json.dumps({**saved, "transformers_version": "5.24.0"}, indent=2, sort_keys=True) == text
+    assert config_json(loaded) == GOLDEN[f"{name}_config_json"]
+
+
+def test_linear_attn_config_is_read_once_into_flat_fields_and_written_back():
+    released = {**TINY_LINEAR_ATTN_CONFIG, "num_heads": 3, "head_dim": 12, "short_conv_kernel_size": 3,
+                "gate_lower_bound": -4.5}  # fmt: skip
+    config = KimiK3Config(linear_attn_config=released)
+    assert {field: getattr(config, field) for field in RELEASED_LINEAR_ATTN_KEYS.values()} == {
+        "linear_num_heads": 3, "linear_head_dim": 12, "linear_conv_kernel_dim": 3, "linear_gate_lower_bound": -4.5,
+        "linear_use_full_rank_gate": True,
+    }  # fmt: skip
+    saved = config.to_dict()
+    assert saved["linear_attn_config"] == released
+    assert not set(RELEASED_LINEAR_ATTN_KEYS.values()) & set(saved)
+    assert KimiK3Config(**saved).to_dict() == saved
+
+
+def test_a_kda_setting_given_both_flat_and_nested_must_agree():
+    with pytest.raises(StrictDataclassError, match=r"`linear_num_heads`=2 contradicts `linear_attn_config` \(which "
+                                                   r"gives 3\); give the setting once"):
+        tiny_config(linear_attn_config={**TINY_LINEAR_ATTN_CONFIG, "num_heads": 3})
+    with pytest.raises(StrictDataclassError, match=r"`layer_types`=.* contradicts `linear_attn_config`"):
+        tiny_config(layer_types=["linear_attention"] * 8 + ["full_attention"], linear_attn_config=TINY_LINEAR_ATTN_CONFIG)
+    assert tiny_config(linear_num_heads=2, linear_attn_config=TINY_LINEAR_ATTN_CONFIG).linear_num_heads == 2
+
+
+def test_tiny_preset_is_the_tiny_fields_with_overrides():
+    assert KimiK3Config.tiny().to_dict() == KimiK3Config(**TINY).to_dict()
+    assert KimiK3Config.tiny(num_experts=4).num_experts == 4 and TINY["num_experts"] == 8
+
+
+def test_no_module_outside_the_config_indexes_linear_attn_config():
+    """Model, package, benchmarks and scripts read the flat fields; only the config knows the release's nesting."""
+    indexing = re.compile(r"linear_attn_config\s*\[|linear_attn_config\.get\(|\[\s*[\"']linear_attn_config[\"']\s*\]")
+    readers = [
+        str(path.relative_to(ROOT))
+        for folder in (ROOT, ROOT / "kimi_k3", ROOT / "benchmarks", ROOT / "scripts")
+        for path in (folder.glob("*.py") if folder == ROOT else folder.rglob("*.py"))
+        if path.name != "configuration_kimi_k3.py" and indexing.search(path.read_text())
+    ]
+    assert readers == []
+
+
 def test_released_wrapper_json_yields_the_text_config(tmp_path, caplog):
     text = KimiK3Config.kimi_k3().to_dict()
     text.update(model_type="kimi_linear", architectures=["KimiLinearForCausalLM"], quantization_config={"x": 1})
@@ -66,7 +128,7 @@ def test_released_wrapper_json_yields_the_text_config(tmp_path, caplog):
     assert config.hidden_size == 7168 and config.num_experts == 896
     assert config.bos_token_id == 163584 and config.eos_token_id == 163586
     assert config.layer_types[-2:] == ["full_attention", "full_attention"]
-    assert not hasattr(config, "vision_config") and not hasattr(config, "quantization_config")
+    assert config.vision_config is not None and not hasattr(config, "quantization_config")  # the vision side stays
 
 
 def test_attribute_aliases_of_other_moe_ports():
@@ -92,20 +154,20 @@ BAD_SETTINGS = [
     ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers"),
     ({"routed_expert_hidden_size": -4}, "routed_expert_hidden_size"),
     ({"activation_situ_beta": -1.0}, "activation_situ_beta"),
-    ({"layer_types": ["full_attention"] * 9}, "layer_types"),
+    ({"layer_types": ["kda"] * 9}, "layer_types"),
+    ({"linear_num_heads": 0}, "linear_num_heads"),
+    ({"linear_gate_lower_bound": 0.5}, "linear_gate_lower_bound"),
 ]
 
 
 @pytest.mark.parametrize("overrides,message", BAD_SETTINGS, ids=[m for _, m in BAD_SETTINGS])
 def test_invalid_settings_raise_naming_the_field(overrides, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(StrictDataclassError, match=message):
         tiny_config(**overrides)
 
 
 def _linear_cfg(**changes):
-    cfg = dict(tiny_config().linear_attn_config)
-    cfg.update(changes)
-    return cfg
+    return {**TINY_LINEAR_ATTN_CONFIG, **changes}
 
 
 BAD_LAYER_LISTS = [
@@ -117,34 +179,37 @@ BAD_LAYER_LISTS = [
     ({k: v for k, v in _linear_cfg().items() if k != "kda_layers"}, "kda_layers` is missing"),
     (_linear_cfg(gate_lower_bound=0.5), "gate_lower_bound"),
     (_linear_cfg(num_heads=0), "num_heads"),
-    (_linear_cfg(short_conv_kernel_size=None), "short_conv_kernel_size"),
+    (_linear_cfg(short_conv_kernel_size=None), "linear_conv_kernel_dim"),
     (_linear_cfg(use_full_rank_gate=False), "use_full_rank_gate"),
+    (_linear_cfg(conv_bias=True), r"unknown keys \['conv_bias'\]"),
+    ([1, 2], "`linear_attn_config` must be a dict"),
 ]
 
 
 @pytest.mark.parametrize("linear_attn_config,message", BAD_LAYER_LISTS, ids=[m for _, m in BAD_LAYER_LISTS])
 def test_invalid_layer_lists_raise_naming_the_field(linear_attn_config, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(StrictDataclassError, match=message):
         tiny_config(linear_attn_config=linear_attn_config)
 
 
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("rms_norm_eps", "1e-6", "`rms_norm_eps` must be a number, got '1e-6' (str)."),
-        ("routed_scaling_factor", "2.5", "`routed_scaling_factor` must be a number, got '2.5' (str)."),
-        ("num_experts", 8.0, "`num_experts` must be an integer or null, got 8.0 (float)."),
-        ("use_cache", "false", "`use_cache` must be true or false, got 'false' (str)."),
-        ("routed_scaling_factor", 0, "`routed_scaling_factor` must be > 0, got 0."),
+        ("rms_norm_eps", "1e-6", "Field 'rms_norm_eps' expected float, got str (value: '1e-6')"),
+        ("routed_scaling_factor", "2.5", "Field 'routed_scaling_factor' expected float, got str (value: '2.5')"),
+        ("num_experts", 8.0, "Field 'num_experts' with value 8.0 doesn't match any type in (<class 'int'>, "
+                             "<class 'NoneType'>)"),
+        ("use_cache", "false", "Field 'use_cache' expected bool, got str (value: 'false')"),
+        ("routed_scaling_factor", 0.0, "`routed_scaling_factor` must be > 0, got 0.0."),
     ],
 )
 def test_config_json_values_of_the_wrong_type_are_refused_at_load_naming_the_field(tmp_path, field, value, message):
     tiny_config().save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**saved, field: value}))
-    with pytest.raises(ValueError) as error:
+    with pytest.raises(StrictDataclassError) as error:
         KimiK3Config.from_pretrained(tmp_path)
-    assert str(error.value) == message
+    assert str(error.value.__cause__).startswith(message)  # @strict's error wraps this one-line cause
 
 
 @pytest.mark.parametrize(
@@ -165,18 +230,21 @@ def test_old_config_json_with_a_retired_training_switch_loads_and_drops_it(tmp_p
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("num_experts_per_token", 100, r"refused num_experts_per_token=100: `num_experts_per_token` \(100\) must be <="),
-        ("num_experts_per_tok", 100, r"refused num_experts_per_tok=100: `num_experts_per_token` \(100\) must be <="),
-        ("hidden_act", "tanh", r"`hidden_act` must be one of"),
-        ("rms_norm_eps", "1e-6", r"`rms_norm_eps` must be a number, got '1e-6' \(str\)"),
-        ("num_hidden_layers", 12, r"Layers \[10, 11, 12\] are in neither"),
-        ("layer_types", ["full_attention"] * 9, r"`layer_types`=.* contradicts the layer pattern"),
+        ("num_experts_per_token", 100, r"`num_experts_per_token` \(100\) must be <= `num_experts` \(8\)"),
+        ("num_experts_per_tok", 100, r"`num_experts_per_token` \(100\) must be <= `num_experts` \(8\)"),
+        ("num_experts_per_tok", 2.0, r"Field 'num_experts_per_token' expected int, got float"),
+        ("hidden_act", "tanh", r"Field 'hidden_act' expected one of \('situ', 'silu', 'gelu', 'relu'\), got tanh"),
+        ("rms_norm_eps", "1e-6", r"Field 'rms_norm_eps' expected float, got str \(value: '1e-6'\)"),
+        ("num_hidden_layers", 12, r"`num_hidden_layers` \(12\) must be equal to the number of `layer_types` \(9\)"),
+        ("layer_types", ["full_attention"] * 8, r"\(9\) must be equal to the number of `layer_types` \(8\)"),
+        ("linear_attn_config", _linear_cfg(kda_layers=[1, 2, 3, 4, 5, 6, 7]), r"overlap at layers \[4\]"),
+        ("linear_use_full_rank_gate", False, r"`linear_use_full_rank_gate` .* must be True"),
     ],
 )
 def test_an_assignment_that_breaks_the_config_is_refused_and_undone(field, value, message):
     config = tiny_config()
     before = config.to_dict()
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(StrictDataclassError, match=message):
         setattr(config, field, value)
     assert config.to_dict() | {"transformers_version": None} == before | {"transformers_version": None}
 
@@ -187,25 +255,40 @@ def test_assignments_rederive_the_layer_pattern_and_update_checks_fields_togethe
     assert config.layer_types == ["linear_attention"] * 7 + ["full_attention"] * 2
     config.update({"num_experts": 2, "num_experts_per_token": 1})  # either assignment alone would be refused first
     assert (config.num_experts, config.num_experts_per_token) == (2, 1)
-    with pytest.raises(ValueError, match=r"refused num_experts=1, num_experts_per_token=3"):
+    with pytest.raises(StrictDataclassError, match=r"`num_experts_per_token` \(3\) must be <= `num_experts` \(1\)"):
         config.update({"num_experts": 1, "num_experts_per_token": 3})
     assert (config.num_experts, config.num_experts_per_token) == (2, 1)
+    config.first_k_dense_replace = 3
+    assert config.mlp_layer_types == ["dense"] * 3 + ["sparse"] * 6
     config.save_pretrained(tmp_path / "ok")
-    assert KimiK3Config.from_pretrained(tmp_path / "ok").layer_types == config.layer_types
+    reloaded = KimiK3Config.from_pretrained(tmp_path / "ok")
+    assert (reloaded.layer_types, reloaded.mlp_layer_types) == (config.layer_types, config.mlp_layer_types)
 
 
 def test_a_field_changed_in_place_is_refused_before_config_json_is_written(tmp_path):
-    config = tiny_config(linear_attn_config=copy.deepcopy(tiny_config().linear_attn_config))
-    config.linear_attn_config["kda_layers"].append(4)  # 4 is an MLA layer already
-    with pytest.raises(ValueError, match=r"overlap at layers \[4\]"):
+    config = tiny_config()
+    config.layer_types[3] = "kda"
+    with pytest.raises(StrictDataclassError, match=r"`layer_types` entries must be one of"):
         config.save_pretrained(tmp_path)
     assert not (tmp_path / "config.json").exists()
 
 
+def test_the_released_view_of_the_kda_fields_is_read_only_so_no_edit_is_lost():
+    config = tiny_config()
+    with pytest.raises(TypeError):
+        config.linear_attn_config["num_heads"] = 4
+    with pytest.raises(AttributeError):
+        config.linear_attn_config["kda_layers"].append(4)
+    assert dict(config.linear_attn_config) == {key: tuple(value) if isinstance(value, list) else value
+                                               for key, value in TINY_LINEAR_ATTN_CONFIG.items()}
+
+
 def test_a_config_of_kda_layers_alone_needs_use_cache_false():
-    kda_only = {**tiny_config().linear_attn_config, "kda_layers": list(range(1, 10)), "full_attn_layers": []}
-    with pytest.raises(ValueError, match=r"^`use_cache` must be False when `linear_attn_config.full_attn_layers` is"):
+    kda_only = {**TINY_LINEAR_ATTN_CONFIG, "kda_layers": list(range(1, 10)), "full_attn_layers": []}
+    with pytest.raises(StrictDataclassError, match=r"`use_cache` must be False when no layer is MLA"):
         tiny_config(linear_attn_config=kda_only)
+    with pytest.raises(StrictDataclassError, match=r"`use_cache` must be False when no layer is MLA"):
+        tiny_config(layer_types=["linear_attention"] * 9)
     assert tiny_config(linear_attn_config=kda_only, use_cache=False).layer_types == ["linear_attention"] * 9
 
 
@@ -232,7 +315,7 @@ def test_variant_fields_are_absent_from_config_json_when_off_and_round_trip_when
     [
         ({"expert_basis_size": 9}, r"`expert_basis_size` \(9\) must be <= `num_experts` \(8\)"),
         ({"expert_basis_size": 0}, r"`expert_basis_size` must be a positive integer, got 0"),
-        ({"router_score_normalization": "rank"}, r"`router_score_normalization` must be one of \('none', 'quantile'\)"),
+        ({"router_score_normalization": "rank"}, r"'router_score_normalization' expected one of \('none', 'quantile'\)"),
         ({"router_score_quantile_bins": 32}, r"`router_score_quantile_bins` is set \(32\) but only applies with "
                                              r"router_score_normalization='quantile'"),
         ({"router_score_normalization": "quantile", "router_score_quantile_bins": 1}, r"must be an integer >= 2"),
@@ -250,10 +333,10 @@ def test_variant_fields_are_absent_from_config_json_when_off_and_round_trip_when
         ({"dynamic_experts_per_token": True, "num_coarse_experts": 2, "coarse_experts_per_token": 1},
          r"^num_coarse_experts and dynamic_experts_per_token each replace the router's selection rule; enable at most one"),
         ({"expert_basis_size": 2, "num_experts": None}, r"shared-basis experts \(expert_basis_size\) needs routed experts"),
-        ({"dynamic_experts_per_token": "yes"}, r"`dynamic_experts_per_token` must be true or false, got 'yes'"),
+        ({"dynamic_experts_per_token": "yes"}, r"'dynamic_experts_per_token' expected bool, got str \(value: 'yes'\)"),
     ],
 )
 def test_impossible_variant_settings_are_refused_in_one_line_naming_the_field(fields, message):
-    with pytest.raises(ValueError, match=message) as error:
+    with pytest.raises(StrictDataclassError) as error:
         tiny_config(**fields)
-    assert "\n" not in str(error.value)
+    assert re.search(message, str(error.value.__cause__)) and "\n" not in str(error.value.__cause__)

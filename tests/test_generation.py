@@ -66,8 +66,8 @@ def test_generate_without_cache_matches_cached(model):
 
 
 def test_a_model_of_kda_layers_alone_generates_by_full_forwards_and_refuses_a_cache_in_one_line():
-    kda_only = {**tiny_config().linear_attn_config, "kda_layers": list(range(1, 10)), "full_attn_layers": []}
-    model = KimiK3ForCausalLM(tiny_config(linear_attn_config=kda_only, use_cache=False, pad_token_id=0,
+    kda_only = ["linear_attention"] * 9
+    model = KimiK3ForCausalLM(tiny_config(layer_types=kda_only, use_cache=False, pad_token_id=0,
                                           eos_token_id=None)).eval()
     ids, mask = left_padded_prompts([6, 9])
     with torch.no_grad():

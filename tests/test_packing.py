@@ -21,23 +21,25 @@ from tests.test_fast_paths import HostSyncRecorder
 from tests.test_kda import packed_lengths, starts_of
 from tests.test_modeling import build as build_model
 
-ALL_LAYERS = list(range(1, TINY_CONFIG["num_hidden_layers"] + 1))
-# Which mixers the model is built of, and the attention implementation of its MLA layers.
+pytestmark = pytest.mark.device  # runs on KIMI_K3_TEST_DEVICE (tests/conftest.py)
+
+LAYERS = TINY_CONFIG["num_hidden_layers"]
+# Which mixers the model is built of (None: the tiny model's hybrid pattern), and the attention implementation of its
+# MLA layers.
 MIXERS = {
-    "kda": ({"kda_layers": ALL_LAYERS, "full_attn_layers": []}, "sdpa"),
-    "mla-sdpa": ({"kda_layers": [], "full_attn_layers": ALL_LAYERS}, "sdpa"),
-    "mla-eager": ({"kda_layers": [], "full_attn_layers": ALL_LAYERS}, "eager"),
-    "hybrid": ({}, "sdpa"),
+    "kda": (["linear_attention"] * LAYERS, "sdpa"),
+    "mla-sdpa": (["full_attention"] * LAYERS, "sdpa"),
+    "mla-eager": (["full_attention"] * LAYERS, "eager"),
+    "hybrid": (None, "sdpa"),
 }
 KDA_CHUNK = 64  # the chunk size of the model's KDA layers
 
 
 def build(mixers: str) -> KimiK3ForCausalLM:
     """An fp32 model of ``mixers`` in training mode, with non-trivial AttnRes pseudo-queries and router biases."""
-    layers, implementation = MIXERS[mixers]
+    layer_types, implementation = MIXERS[mixers]
     # A model of KDA layers alone has no attention layer for transformers' cache to count tokens in.
-    config = tiny_config(linear_attn_config={**TINY_CONFIG["linear_attn_config"], **layers},
-                         use_cache=bool(layers.get("full_attn_layers", True)))
+    config = tiny_config(layer_types=layer_types, use_cache=mixers != "kda")
     config._attn_implementation = implementation
     return build_model(config, dtype=torch.float32).train()
 

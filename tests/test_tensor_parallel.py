@@ -26,9 +26,8 @@ WHOLE_STYLES = ("replicate", "replicated_with_grad_allreduce", "mla_kv_a_proj", 
 
 def released_layers(num_hidden_layers: int = 4) -> KimiK3Config:
     """The released widths over a few layers: dense layer 0, then MoE layers, KDA and MLA (the last)."""
-    linear_attn_config = {**KimiK3Config.kimi_k3().linear_attn_config,
-                          "kda_layers": list(range(1, num_hidden_layers)), "full_attn_layers": [num_hidden_layers]}
-    return KimiK3Config.kimi_k3(num_hidden_layers=num_hidden_layers, linear_attn_config=linear_attn_config)
+    layer_types = ["linear_attention"] * (num_hidden_layers - 1) + ["full_attention"]
+    return KimiK3Config.kimi_k3(num_hidden_layers=num_hidden_layers, layer_types=layer_types)
 
 
 def test_every_parameter_has_a_rule_and_every_rule_names_a_module_or_parameter(config):
@@ -69,12 +68,12 @@ def test_released_model_splits_into_whole_heads_and_equal_shards_over_8_ranks():
         expected[dim] //= tp
         assert local == tuple(expected), name
     assert styles == set(split_dim) | set(WHOLE_STYLES) - {"local_params"}
-    heads, kda_heads = config.num_attention_heads // tp, config.linear_attn_config["num_heads"] // tp
+    heads, kda_heads = config.num_attention_heads // tp, config.linear_num_heads // tp
     mla, kda = "model.layers.3.self_attn", "model.layers.1.self_attn"
     assert shapes[f"{mla}.q_b_proj.weight"][0][0] == heads * (config.qk_nope_head_dim + config.qk_rope_head_dim)
     assert shapes[f"{mla}.kv_b_proj.weight"][0][0] == heads * (config.qk_nope_head_dim + config.v_head_dim)
     assert shapes[f"{kda}.A_log"][0] == (kda_heads,)
-    assert shapes[f"{kda}.q_conv1d.weight"][0][0] == kda_heads * config.linear_attn_config["head_dim"]
+    assert shapes[f"{kda}.q_conv1d.weight"][0][0] == kda_heads * config.linear_head_dim
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -83,7 +82,7 @@ def test_released_model_splits_into_whole_heads_and_equal_shards_over_8_ranks():
 def configs() -> dict[str, KimiK3Config]:
     """Two heads per rank in both attentions; the second model has MLA without the query LoRA (q_proj), a tied
     lm_head and the plain residual stream instead of Block Attention Residuals."""
-    heads = {"num_attention_heads": 4, "linear_attn_config": {**tiny_config().linear_attn_config, "num_heads": 4}}
+    heads = {"num_attention_heads": 4, "linear_num_heads": 4}
     return {
         "k3": tiny_config(**heads),
         "plain": tiny_config(**heads, q_lora_rank=None, tie_word_embeddings=True, attn_res_block_size=None),

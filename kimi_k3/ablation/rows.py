@@ -10,7 +10,9 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from configuration_kimi_k3 import KimiK3Config
+from huggingface_hub.errors import StrictDataclassError
+
+from configuration_kimi_k3 import TINY, KimiK3Config
 
 BASELINE = "baseline"
 
@@ -117,16 +119,8 @@ ROWS = {row.name: row for row in (
 )}  # fmt: skip
 FAMILIES = tuple(dict.fromkeys(row.family for row in ROWS.values()))
 
-# A small model that trains a step in about a second on 2 loaded CPU cores: 4 layers (KDA, KDA, KDA, MLA), 16 experts
-# top-2, latent width d/2, AttnRes blocks of 2 layers.
-QUICK_MODEL = {
-    "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 2, "q_lora_rank": 32, "kv_lora_rank": 16,
-    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
-    "linear_attn_config": {"kda_layers": [1, 2, 3], "full_attn_layers": [4], "num_heads": 2, "head_dim": 16,
-                           "short_conv_kernel_size": 4, "gate_lower_bound": -5.0, "use_full_rank_gate": True},
-    "intermediate_size": 192, "num_experts": 16, "num_experts_per_token": 2, "num_shared_experts": 1,
-    "moe_intermediate_size": 32, "routed_expert_hidden_size": 32, "attn_res_block_size": 2,
-}  # fmt: skip
+# The quick matrix's model: `KimiK3Config.tiny()` (9 layers, 8 experts top-2), its vocabulary sized by the tokenizer.
+QUICK_MODEL = {key: value for key, value in TINY.items() if key != "vocab_size"}
 
 
 @dataclass(frozen=True)
@@ -177,8 +171,8 @@ def select_rows(names: list[str] | None, preset: Preset) -> list[Row]:
 def baseline_config(model_overrides: dict) -> KimiK3Config:
     try:
         return KimiK3Config(**model_overrides)
-    except (TypeError, ValueError) as error:
-        raise AblationError(f"--config_overrides: {error}") from None
+    except StrictDataclassError as error:  # the config's own checks: the error's cause is one line naming the field
+        raise AblationError(f"--config_overrides: {error.__cause__ or error}") from None
 
 
 def check_applies(row: Row, model_overrides: dict) -> dict:
@@ -192,7 +186,9 @@ def check_applies(row: Row, model_overrides: dict) -> dict:
     try:
         overrides = row.config_overrides(baseline)
         changed = KimiK3Config(**{**model_overrides, **overrides})
-    except (TypeError, ValueError) as error:
+    except StrictDataclassError as error:
+        raise AblationError(f"row {row.name!r} cannot apply to the baseline config: {error.__cause__ or error}") from None
+    except (TypeError, ValueError) as error:  # a row's own derivation (`_finer_experts`)
         raise AblationError(f"row {row.name!r} cannot apply to the baseline config: {error}") from None
     if row.name != BASELINE and not row.flags and changed.to_dict() == baseline.to_dict():
         raise AblationError(f"row {row.name!r} changes nothing: the baseline config already has {json.dumps(overrides)}")

@@ -14,7 +14,7 @@ import torch
 from transformers import HfArgumentParser, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
-from configuration_kimi_k3 import VARIANT_FIELDS_OFF, KimiK3Config
+from configuration_kimi_k3 import KimiK3Config
 from kimi_k3.optim.precision import PRECISION_CHOICES
 from kimi_k3.policies.expert_merging import check_merging_arguments
 from kimi_k3.policies.qk_clip import check_tau
@@ -439,7 +439,7 @@ def config_overrides(text: str | None) -> dict:
         raise UsageError(f"--config_overrides is not valid JSON ({error}): {text!r}") from None
     if not isinstance(overrides, dict):
         raise UsageError(f"--config_overrides must be a JSON object, got {text!r}")
-    known = set(KimiK3Config().to_dict()) | set(KimiK3Config.attribute_map) | set(VARIANT_FIELDS_OFF)
+    known = set(KimiK3Config.__dataclass_fields__) | set(KimiK3Config().to_dict()) | set(KimiK3Config.attribute_map)
     for name in overrides:
         if name not in known:
             close = difflib.get_close_matches(name, sorted(known), n=1)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import datasets
 from accelerate.utils import broadcast_object_list
+from huggingface_hub.errors import StrictDataclassError
 from transformers import TrainerState, TrainingArguments, default_data_collator, set_seed
 
 from configuration_kimi_k3 import KimiK3Config
@@ -133,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"kimi-k3-train: {allocator_description()}")
         except ValueError as error:
             print(f"kimi-k3-train: error: {error}", file=sys.stderr)
+            return 2
+        except StrictDataclassError as error:  # KimiK3Config's checks: the error's cause is one line naming the field
+            print(f"kimi-k3-train: error: model config: {error.__cause__ or error}", file=sys.stderr)
             return 2
         try:
             return run(trainer, model_args, data_args, blocks, data_description, checkpoint, publish, metadata)

@@ -463,7 +463,7 @@ def build_param_groups(model, weight_decay=0.1, adamw_lr=None, split_kv=True, pe
     """Param groups of a Kimi K3 model (K3 report §2.5); head sizes come from ``model.config``.
 
     Each group lists its parameters' names under ``param_names`` (torch's named param groups). Muon: every trainable
-    2-D weight (KDA q/k/v in ``linear_attn_config["head_dim"]`` row blocks; MLA q_b_proj in
+    2-D weight (KDA q/k/v in ``linear_head_dim`` row blocks; MLA q_b_proj in
     nope+rope blocks; kv_b_proj in (nope, v) or nope+v blocks; the rest whole), and the stacked experts per expert
     (shared-basis experts: each basis matrix, split like an expert; their coefficients go to AdamW).
     AdamW: embeddings, lm_head, conv kernels and the [1, hidden] AttnRes pseudo-queries (with decay), and 1-D tensors
@@ -498,7 +498,7 @@ def head_rows_by_layer_type(config, split_kv):
     mla_rows = config.qk_nope_head_dim + config.qk_rope_head_dim
     kv_rows = (config.qk_nope_head_dim, config.v_head_dim) if split_kv else config.qk_nope_head_dim + config.v_head_dim
     return {
-        "linear_attention": dict.fromkeys(_KDA_HEAD_PROJS, config.linear_attn_config["head_dim"]),
+        "linear_attention": dict.fromkeys(_KDA_HEAD_PROJS, config.linear_head_dim),
         "full_attention": {**dict.fromkeys(_MLA_QUERY_PROJS, mla_rows), "kv_b_proj": kv_rows},
     }
 

@@ -13,6 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from huggingface_hub.errors import StrictDataclassError
 from transformers.hf_argparser import string_to_bool
 
 from configuration_kimi_k3 import KimiK3Config
@@ -100,8 +101,10 @@ def load_config(name: str) -> KimiK3Config:
         raise PlanError(f"`--config` must be 'k3', 'small' or an existing config.json / model folder, got {name!r}.")
     try:
         return KimiK3Config.from_json_file(path / "config.json" if path.is_dir() else path)
-    except (OSError, ValueError) as error:  # the config's own validation names the field
+    except (OSError, ValueError) as error:
         raise PlanError(f"`--config` {name}: {str(error).splitlines()[0]}") from error
+    except StrictDataclassError as error:  # the config's own checks: the error's cause is one line naming the field
+        raise PlanError(f"`--config` {name}: {error.__cause__ or error}") from error
 
 
 def setup_from(args) -> Setup:

@@ -127,14 +127,14 @@ def narrow_config(config):
     values.update(hidden_size=32, intermediate_size=32, num_attention_heads=2, num_key_value_heads=2,
                   qk_nope_head_dim=8, qk_rope_head_dim=4 if config.qk_rope_head_dim else 0, v_head_dim=8,
                   kv_lora_rank=16, q_lora_rank=None if config.q_lora_rank is None else 16,
-                  dtype="float32")
-    values["linear_attn_config"] = {**config.linear_attn_config, "num_heads": 2, "head_dim": 8}
+                  linear_num_heads=2, linear_head_dim=8, dtype="float32")
+    values.pop("linear_attn_config")  # the release's nesting of the KDA fields narrowed above and `layer_types`
     if config.num_experts is not None:
         top_k = min(config.num_experts_per_token, 2)
         values.update(num_experts=top_k + 2, num_experts_per_token=top_k, moe_intermediate_size=8,
                       routed_expert_hidden_size=None if config.routed_expert_hidden_size is None else 16)
         values.update(_narrow_variant_fields(config, values["num_experts"], top_k))
-    for key in ("layer_types", "mlp_layer_types", "auto_map", "architectures", "model_type", "transformers_version"):
+    for key in ("mlp_layer_types", "auto_map", "architectures", "model_type", "transformers_version"):
         values.pop(key, None)
     return type(config)(**values)
 

@@ -421,9 +421,8 @@ def _layer_activation_elements(config, i: int, n: int) -> int:
     blocks = 1 if config.attn_res_block_size is None else i // config.attn_res_block_size + 1
     per_token = 2 * h + 4 * (blocks + 1) * h  # the two norms' inputs, AttnRes's stacked blocks in its two mixings
     if config.layer_types[i] == "linear_attention":
-        kda = config.linear_attn_config
-        heads, head_dim = kda["num_heads"], kda["head_dim"]
-        # q/k/v/gates before and after the convs, their fp32 chunked copies and the per-chunk [64, 64] matrices.
+        heads, head_dim = config.linear_num_heads, config.linear_head_dim
+        # q/k/v/gates before and after the convs, their fp32 chunked copies and the per-chunk [C, C] matrices.
         per_token += h + head_dim + 30 * heads * head_dim + 5 * heads * KDA_CHUNK_SIZE
     else:
         heads, v = config.num_attention_heads, config.v_head_dim

@@ -108,14 +108,13 @@ def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
 
 def architecture_summary(config) -> dict[str, object]:
     """The config fields a reader needs to picture the model, in the released field names."""
-    linear = config.linear_attn_config
     return {
         "layers": config.num_hidden_layers,
         "layer pattern": " ".join("MLA" if kind == "full_attention" else "KDA" for kind in config.layer_types),
         "MLP pattern": " ".join("MoE" if kind == "sparse" else "dense" for kind in config.mlp_layer_types),
         "hidden_size": config.hidden_size,
         "vocab_size": config.vocab_size,
-        "KDA heads x head_dim": f"{linear['num_heads']} x {linear['head_dim']}",
+        "KDA heads x head_dim": f"{config.linear_num_heads} x {config.linear_head_dim}",
         "MLA heads (nope + rope / v dims)": f"{config.num_attention_heads} "
         f"({config.qk_nope_head_dim} + {config.qk_rope_head_dim} / {config.v_head_dim})",
         "routed experts (top-k)": f"{config.num_experts} ({config.num_experts_per_token})",

@@ -24,8 +24,7 @@ from modeling_kimi_k3 import KimiK3ForCausalLM
 from tests.conftest import ROOT, TINY_CONFIG
 
 TINY_MODEL = {key: value for key, value in TINY_CONFIG.items() if key != "vocab_size"}
-KDA_ONLY = {**QUICK_MODEL, "use_cache": False,
-            "linear_attn_config": {**QUICK_MODEL["linear_attn_config"], "kda_layers": [1, 2, 3, 4], "full_attn_layers": []}}
+KDA_ONLY = {**QUICK_MODEL, "use_cache": False, "layer_types": ["linear_attention"] * QUICK_MODEL["num_hidden_layers"]}
 
 
 def run_cli(argv: list[str]) -> tuple[int, str, str]:

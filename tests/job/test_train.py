@@ -713,7 +713,7 @@ def bigger_tokenizer(folder: Path) -> str:
     return str(folder)
 
 
-ALL_KDA = {**TINY_MODEL["linear_attn_config"], "kda_layers": list(range(1, 10)), "full_attn_layers": []}
+ALL_KDA = ["linear_attention"] * 9
 BAD_INPUTS = {
     "missing data file": (lambda run, tmp: ["--data_files", str(tmp / "nope.txt")], "no such file"),
     "empty corpus": (lambda run, tmp: ["--data_files", str(write_blank(tmp))], "corpus is empty"),
@@ -730,11 +730,12 @@ BAD_INPUTS = {
     ),
     "language name instead of code": (lambda run, tmp: ["--language", "English"], "--language 'English' is not an ISO"),
     "resume without a checkpoint": (lambda run, tmp: ["--resume_from_checkpoint", "True"], "no checkpoint-N folder"),
-    "bad config override": (lambda run, tmp: ["--config_overrides", '{"hidden_act": "tanh"}'], "`hidden_act` must be"),
+    "bad config override": (lambda run, tmp: ["--config_overrides", '{"hidden_act": "tanh"}'],
+                            "model config: Field 'hidden_act' expected one of ('situ', 'silu', 'gelu', 'relu'), got tanh"),
     "negative qk_clip_tau": (lambda run, tmp: ["--qk_clip_tau", "-1"], "--qk_clip_tau must be a number > 0"),
     "NaN qk_clip_tau": (lambda run, tmp: ["--qk_clip_tau", "nan"], "--qk_clip_tau must be a number > 0"),
     "QK-Clip without MLA layers": (
-        lambda run, tmp: ["--config_overrides", json.dumps({**TINY_MODEL, "linear_attn_config": ALL_KDA,
+        lambda run, tmp: ["--config_overrides", json.dumps({**TINY_MODEL, "layer_types": ALL_KDA,
                                                             "use_cache": False})],
         "the model has no MLA (full_attention) layer; pass --qk_clip_tau none",
     ),

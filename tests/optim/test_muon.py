@@ -334,9 +334,8 @@ def test_frozen_head_projections_are_refused(config):
 
 def _four_layer_config(**overrides):
     """KDA, MLA, KDA, MLA: every parameter kind at a third of the tiny model's step time, for Trainer runs."""
-    layers = {"kda_layers": [1, 3], "full_attn_layers": [2, 4]}
-    linear_attn_config = {**tiny_config().linear_attn_config, **layers}
-    return tiny_config(num_hidden_layers=4, linear_attn_config=linear_attn_config, attn_res_block_size=2, **overrides)
+    layer_types = ["linear_attention", "full_attention"] * 2
+    return tiny_config(num_hidden_layers=4, layer_types=layer_types, attn_res_block_size=2, **overrides)
 
 
 def _training_args(output_dir, **overrides):

@@ -19,8 +19,7 @@ STEPS, BATCH, TAU = 3, 4, 0.01  # the test model's max logits (~0.01-0.03) strad
 
 def four_layer_config():
     """KDA, MLA, KDA, MLA, with routed experts: every policy has something to act on, at toy cost."""
-    layers = {"kda_layers": [1, 3], "full_attn_layers": [2, 4]}
-    return tiny_config(num_hidden_layers=4, linear_attn_config={**tiny_config().linear_attn_config, **layers},
+    return tiny_config(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,
                        attn_res_block_size=2)
 
 
