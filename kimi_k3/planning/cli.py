@@ -17,7 +17,7 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers.hf_argparser import string_to_bool
 
 from configuration_kimi_k3 import KimiK3Config
-from kimi_k3.job.arguments import parse_qk_clip_tau
+from kimi_k3.job.arguments import DEFAULT_QK_CLIP_TAU, parse_qk_clip_tau
 from kimi_k3.planning.plan import (
     DTYPE_BYTES,
     GB,
@@ -66,7 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     run.add_argument("--lora_rank", type=int, default=0, help="0: full fine-tuning")
     run.add_argument("--qat", choices=("mxfp4",),
                      help="mxfp4: quantization-aware training of the experts")
-    run.add_argument("--qk_clip_tau", default="100", help="QK-Clip's threshold; 0 or none: off (as kimi-k3-train)")
+    run.add_argument("--qk_clip_tau", default=DEFAULT_QK_CLIP_TAU,
+                     help="QK-Clip's threshold; 0 or none: off (as kimi-k3-train)")
     check = parser.add_argument_group("verification")
     check.add_argument("--verify", action="store_true", help="check the counts against the real sharding (meta device)")
     check.add_argument("--sharding", choices=("accelerate", "transformers"),

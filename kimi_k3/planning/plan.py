@@ -21,24 +21,34 @@ Units: bytes, shown as GB = 1e9 bytes.
 
 import contextlib
 import functools
+import inspect
 from dataclasses import dataclass, field
 
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from kimi_k3.planning.model_inventory import ParamSpec, model_inventory
+from checkpoint_format_kimi_k3 import MXFP4_GROUP_SIZE
 from kimi_k3.optim.muon import NS_STEPS
-from kimi_k3.parallel.shard_layout import Holding, holding_at, mesh_holdings
 from kimi_k3.optim.split_newton_schulz import ShardedPlan, Tiling
+from kimi_k3.parallel.shard_layout import Holding, holding_at, mesh_holdings
+from kimi_k3.planning.model_inventory import ParamSpec, model_inventory
+from kimi_k3.policies.quantile_balancing import QuantileBalancing
+from modeling_kimi_k3 import chunk_kda
+
+
+def default_of(function, argument: str):
+    """``argument``'s default, read from the function that owns it, so the plan follows the code it plans."""
+    return inspect.signature(function).parameters[argument].default
+
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZERS = ("muon", "adamw")
-# MXFP4: 4-bit E2M1 values plus one E8M0 scale byte per group of 32 (OCP microscaling).
-MXFP4_BITS_PER_ELEMENT = 4 + 8 / 32
+# MXFP4: 4-bit E2M1 values plus one E8M0 scale byte per group (OCP microscaling).
+MXFP4_BITS_PER_ELEMENT = 4 + 8 / MXFP4_GROUP_SIZE
 INT64_BYTES = 8
 FP32_BYTES = 4
 GB = 1e9
-KDA_CHUNK_SIZE = 64
+KDA_CHUNK_SIZE = default_of(chunk_kda, "chunk_size")
 NEWTON_SCHULZ_ROW = "Newton-Schulz all-to-all (cut blocks)"
 QUANTILE_BALANCING_ROW = "Quantile Balancing all-reduce"
 # Copies of a batch of blocks Newton–Schulz holds at once: the input cast, the iterate, the Gram matrix and its
@@ -114,7 +124,7 @@ class Setup:
     qat: bool = False
     qk_clip: bool = True
     quantile_balancing: bool = True  # histogram estimator; False: token counts only (the sign and "none" rules)
-    qb_num_bins: int = 1000
+    qb_num_bins: int = default_of(QuantileBalancing.__init__, "num_bins")
     gpu_memory_gb: float = 141.0
     reserved_gb: float = 4.0
 
