@@ -9,27 +9,26 @@ at a time and write ``model.safetensors.index.json`` when there is more than one
 """
 
 import argparse
-import re
 import sys
 from pathlib import Path
+
+from transformers.utils.hub import convert_file_size_to_int
 
 from kimi_k3.checkpoint.release_format import DEFAULT_MAX_SHARD_BYTES, export_released, import_released
 
 PROG = "kimi-k3-convert"
 DIRECTIONS = {"to-release": export_released, "from-release": import_released}
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
 def parse_size(text: str) -> int:
-    """'5GB', '500MiB' or a plain byte count -> bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).upper() if match else None
-    if unit not in _SIZE_UNITS:
+    """'5GB', '500MiB' or a plain byte count -> bytes, spelled as ``save_pretrained(max_shard_size=...)`` takes it."""
+    try:
+        return int(text) if text.strip().isdigit() else convert_file_size_to_int(text.strip())
+    except ValueError:
         raise argparse.ArgumentTypeError(
-            f"--max_shard_size must be a number with an optional unit in {sorted(u for u in _SIZE_UNITS if u)}, "
+            f"--max_shard_size must be a whole number of bytes or one followed by a unit (KB, MB, GB, KiB, MiB, GiB), "
             f"got {text!r}."
-        )
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+        ) from None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
