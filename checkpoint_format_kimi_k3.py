@@ -35,9 +35,9 @@ from transformers.core_model_loading import Concatenate, ConversionOps, MergeMod
 from transformers.utils import logging
 
 try:
-    from .configuration_kimi_k3 import AUTO_MAP
+    from .configuration_kimi_k3 import AUTO_MAP, VISION_AUTO_MAP
 except ImportError:
-    from configuration_kimi_k3 import AUTO_MAP
+    from configuration_kimi_k3 import AUTO_MAP, VISION_AUTO_MAP
 
 logger = logging.get_logger(__name__)
 
@@ -374,8 +374,10 @@ def released_tensor_shapes(name: str, shape: tuple[int, ...], config) -> dict[st
 
 
 def released_config_dict(config) -> dict:
-    """The release's multimodal wrapper ``config.json`` around ``config`` as its ``text_config``."""
+    """The release's multimodal wrapper ``config.json`` around ``config`` as its ``text_config``, beside its
+    ``vision_config`` and the token ids the wrapper repeats from it, where the model sees."""
     text_config = config.to_dict()
+    vision_config = text_config.pop("vision_config", None)
     for local in ("auto_map", "layer_types", "mlp_layer_types", "_name_or_path"):  # ours, derived or machine-local
         text_config.pop(local, None)
     text_config.update(
@@ -384,7 +386,7 @@ def released_config_dict(config) -> dict:
         quantization_config=RELEASED_QUANTIZATION_CONFIG,
     )
     shared = ("bos_token_id", "eos_token_id", "pad_token_id", "dtype", "tie_word_embeddings", "transformers_version")
-    return {
+    wrapper = {
         "architectures": ["KimiK3ForConditionalGeneration"],
         "model_type": "kimi_k3",
         # Our code, shipped beside the weights, reads this layout: the folder loads with trust_remote_code.
@@ -392,6 +394,11 @@ def released_config_dict(config) -> dict:
         **{key: text_config[key] for key in shared if key in text_config},
         "text_config": text_config,
     }
+    if vision_config is not None:
+        wrapper["auto_map"].update(VISION_AUTO_MAP)
+        wrapper.update({key: vision_config[key] for key in ("media_placeholder_token_id", "ignore_index")})
+        wrapper["vision_config"] = vision_config
+    return wrapper
 
 
 _SAFETENSORS_DTYPE_NAMES = {

@@ -30,6 +30,8 @@ from transformers.dynamic_module_utils import custom_object_save
 
 from checkpoint_format_kimi_k3 import (
     EXPERT_LAYOUT,
+    RELEASE_MULTIMODAL_PREFIXES,
+    RELEASE_TEXT_PREFIX,
     ROUTED_EXPERT_WEIGHT,
     CheckpointEntry,
     checkpoint_shapes,
@@ -43,6 +45,8 @@ from checkpoint_format_kimi_k3 import (
 )
 from configuration_kimi_k3 import KimiK3Config
 from modeling_kimi_k3 import KimiK3ForCausalLM
+from modeling_kimi_k3_vision import KimiK3ForConditionalGeneration, KimiK3PatchMergerProjector, KimiK3VisionTower
+from processing_kimi_k3 import KimiK3Processor
 from variants_kimi_k3 import BASIS_OF_EXPERT_TENSOR, causal_lm_class, materialise_experts
 
 from kimi_k3.checkpoint import run_folder
@@ -77,14 +81,16 @@ def export_released(
     config = KimiK3Config.from_pretrained(source)
     check_exportable(config)
     entries, read = _open_checkpoint(source)
-    if is_released_layout(entries):
+    if _is_released(entries, config):
         raise ValueError(f"{source} is already in the released layout (`language_model.` / `weight_packed` tensors).")
     expected = _checkpoint_shapes(config)
     sources = match_checkpoint_tensors(entries, expected, read)
     released = _materialised_config(config)
     steps, last_bank = [], {}
     for name, stored in _in_shard_order(sources, entries):
-        if name.rpartition(".")[2] in BASIS_OF_EXPERT_TENSOR:
+        if name.startswith(RELEASE_MULTIMODAL_PREFIXES):  # dense in both layouts, under the same names
+            steps.append(_import_step(name, stored, expected[name], entries, read, None))
+        elif name.rpartition(".")[2] in BASIS_OF_EXPERT_TENSOR:
             steps += _materialised_expert_steps(name, sources, expected, read, released, last_bank)
         elif not name.endswith("_coefficients"):
             steps.append(_export_step(name, stored, expected[name], entries, read, released))
@@ -94,7 +100,7 @@ def export_released(
         (folder / "config.json").write_text(json.dumps(released_config_dict(released), indent=2, sort_keys=True) + "\n")
         return shards
 
-    return _publish(source, target, write)
+    return _publish(source, target, write, vision=config.vision_config is not None)
 
 
 def import_released(
@@ -103,33 +109,45 @@ def import_released(
     """A released-layout folder -> our ``save_pretrained`` layout; returns the written shard file names.
 
     MXFP4 experts are dequantized to the config's dtype (bf16 in the release, where it is exact); every other tensor
-    keeps its stored dtype. Vision and projector tensors are dropped.
+    keeps its stored dtype. Vision and projector tensors are kept, and the text tensors keep their `language_model.`
+    prefix, when the config has a ``vision_config`` (the vision-language model's names); else they are dropped.
     """
     source = Path(source)
     config = KimiK3Config.from_pretrained(source)
     entries, read = _open_checkpoint(source)
-    if not is_released_layout(entries):
+    if not _is_released(entries, config):
         raise ValueError(f"{source} is not in the released layout (no `language_model.` or `weight_packed` tensors).")
     expected = _checkpoint_shapes(config)
     sources = match_checkpoint_tensors(entries, expected, read)
     dense_dtype = config.dtype or torch.bfloat16
+    sees = config.vision_config is not None
     steps = [
-        _import_step(name, stored, expected[name], entries, read, dense_dtype)
+        _import_step(name, stored, expected[name], entries, read, dense_dtype,
+                     key=RELEASE_TEXT_PREFIX + name if sees and not name.startswith(RELEASE_MULTIMODAL_PREFIXES) else name)
         for name, stored in _in_shard_order(sources, entries)
-    ]
+    ]  # fmt: skip
 
     def write(folder: Path) -> list[str]:
         shards = _write_checkpoint(steps, folder, max_shard_bytes, progress, desc="to our layout")
-        config.architectures = [KimiK3ForCausalLM.__name__]
+        config.architectures = [(KimiK3ForConditionalGeneration if sees else KimiK3ForCausalLM).__name__]
         config.save_pretrained(folder)
         return shards
 
-    return _publish(source, target, write)
+    return _publish(source, target, write, vision=sees)
 
 
-def _publish(source: Path, target: str | Path, write: Callable[[Path], list[str]]) -> list[str]:
+def _is_released(entries: dict[str, CheckpointEntry], config: KimiK3Config) -> bool:
+    """Our vision-language folders name text tensors as the release does (`language_model.`); only MXFP4 experts
+    tell the layouts apart there."""
+    if config.vision_config is None:
+        return is_released_layout(entries)
+    return any(name.endswith(".weight_packed") for name in entries)
+
+
+def _publish(source: Path, target: str | Path, write: Callable[[Path], list[str]], vision: bool = False) -> list[str]:
     """Write the converted folder under a unique hidden name beside ``target``, with the code files that let it load
-    through ``trust_remote_code``, then rename it into place: a failed conversion leaves no partial ``target``."""
+    through ``trust_remote_code`` (the vision-language model's and processor's too, with ``vision``), then rename it
+    into place: a failed conversion leaves no partial ``target``."""
     target = Path(target).absolute()
     with _conversion_lock(target):
         _absent_or_empty(target)
@@ -140,7 +158,8 @@ def _publish(source: Path, target: str | Path, write: Callable[[Path], list[str]
         staging.mkdir()
         try:
             shards = write(staging)
-            custom_object_save(KimiK3ForCausalLM, staging)  # the model file and the files it imports relatively
+            for code in (KimiK3ForCausalLM, KimiK3ForConditionalGeneration, KimiK3Processor)[: 3 if vision else 1]:
+                custom_object_save(code, staging)  # the model file and the files it imports relatively
             _copy_auxiliary_files(source, staging)
             run_folder.replace_folder(staging, target)
         finally:
@@ -243,9 +262,10 @@ def _materialised_expert_steps(basis_name, sources, expected, read, config, last
     return [step(e, i, part) for e in range(num_experts) for i, part in enumerate(EXPERT_LAYOUT[fused])]
 
 
-def _import_step(name, stored, shape, entries, read, dense_dtype) -> _Step:
-    dtype = dense_dtype if len(stored) == 2 else _torch_dtype(entries, stored[0])
-    return _Step({name: (shape, dtype)}, lambda: {name: _model_tensor(read, stored, shape, dtype)})
+def _import_step(name, stored, shape, entries, read, dense_dtype, key: str | None = None) -> _Step:
+    """The tensor ``name`` as the model holds it, written under ``key`` (default ``name``)."""
+    key, dtype = key or name, dense_dtype if len(stored) == 2 else _torch_dtype(entries, stored[0])
+    return _Step({key: (shape, dtype)}, lambda: {key: _model_tensor(read, stored, shape, dtype)})
 
 
 def _model_tensor(read, stored: tuple[str, ...], shape: tuple[int, ...], dtype=torch.float32) -> torch.Tensor:
@@ -260,8 +280,14 @@ def _model_tensor(read, stored: tuple[str, ...], shape: tuple[int, ...], dtype=t
 
 
 def _checkpoint_shapes(config: KimiK3Config) -> dict[str, tuple[int, ...]]:
+    """The text model's checkpoint names and shapes, and the vision tower's and projector's where it sees."""
     with torch.device("meta"):
-        return checkpoint_shapes(causal_lm_class(config)(config))
+        shapes = checkpoint_shapes(causal_lm_class(config)(config))
+        if config.vision_config is not None:
+            for prefix, part in (("vision_tower", KimiK3VisionTower), ("mm_projector", KimiK3PatchMergerProjector)):
+                state = part(config.vision_config).state_dict()
+                shapes.update({f"{prefix}.{name}": tuple(tensor.shape) for name, tensor in state.items()})
+    return shapes
 
 
 def _in_shard_order(sources: dict, entries: dict[str, CheckpointEntry]) -> list[tuple[str, tuple[str, ...]]]:

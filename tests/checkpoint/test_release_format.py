@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from configuration_kimi_k3 import AUTO_MAP, KimiK3Config
+from configuration_kimi_k3 import AUTO_MAP, VISION_AUTO_MAP, KimiK3Config
 from checkpoint_format_kimi_k3 import (
     checkpoint_shapes,
     dequantize_mxfp4,
@@ -310,11 +310,13 @@ def test_wrapper_config_reads_its_text_config_and_carries_token_ids_over(tmp_pat
         # AutoConfig hands `name_or_path` to the constructor, which is no wrapper key.
         assert KimiK3Config(**wrapper, name_or_path=str(tmp_path)).to_diff_dict() == loaded.to_diff_dict()
     assert (loaded.bos_token_id, loaded.eos_token_id, loaded.pad_token_id) == (11, 12, 13)
-    ignored = ("architectures", "auto_map", "bos_token_id", "eos_token_id", "pad_token_id", "audio_config")
+    ignored = ("architectures", "auto_map", "bos_token_id", "eos_token_id", "pad_token_id", "audio_config", "vision_config")
     assert {k: v for k, v in loaded.to_dict().items() if k not in ignored} == {
         k: v for k, v in config.to_dict().items() if k not in ignored
     }
-    assert loaded.architectures is None and loaded.auto_map == AUTO_MAP  # the wrapper's named its multimodal class
+    assert loaded.architectures is None  # the wrapper's named its multimodal class
+    assert loaded.auto_map == {**AUTO_MAP, **VISION_AUTO_MAP}  # the vision side is kept
+    assert loaded.vision_config.media_placeholder_token_id == 14 and loaded.vision_config.hidden_size == 1024
     assert loaded.audio_config == {"hidden_size": 8}
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == ["Kept unrecognised keys of the released wrapper config as attributes: ['audio_config']"] * 2
