@@ -17,7 +17,6 @@ a ``KimiK3GLUActivation`` (fused kernels replace its forward), and each MLA laye
 ``docs/design.md``.
 """
 
-import copy
 import importlib
 import inspect
 import math
@@ -1366,18 +1365,13 @@ def _check_continues_the_cache(document_starts: torch.Tensor, packing: dict) -> 
         )
 
 
-def _check_not_assisted(generation_config: GenerationConfig, kwargs: dict) -> None:
+def _check_not_assisted(generation_mode: GenerationMode, generation_config: GenerationConfig) -> None:
     """Assisted decoding (a draft model, prompt lookup, early exit, ...) verifies several drafted tokens in one forward
     and rolls the cache back past the rejected ones. A KDA layer hands its cache the recurrent state after the last
     token only, so no rollback can restore it: transformers 5.25 would crop to a wrong state and decode other tokens
     than greedy decoding (earlier releases refused stateful models), so every release is refused here. A K3 model
     drafting for another one (``is_assistant``) is rolled back the same way."""
-    requested = copy.deepcopy(generation_config)
-    for name, value in kwargs.items():
-        if hasattr(requested, name):
-            setattr(requested, name, value)
-    assisted = requested.get_generation_mode(kwargs.get("assistant_model")) == GenerationMode.ASSISTED_GENERATION
-    if assisted or getattr(requested, "is_assistant", False):
+    if generation_mode == GenerationMode.ASSISTED_GENERATION or getattr(generation_config, "is_assistant", False):
         raise ValueError(
             "Kimi K3 does not support assisted decoding (`assistant_model`, `prompt_lookup_num_tokens`, "
             "`assistant_early_exit`, or drafting as another model's assistant): its KDA layers' recurrent state cannot "
@@ -1443,27 +1437,30 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def generate(self, *args, **kwargs):
-        """``GenerationMixin.generate``, refusing packed prompts: it decodes one sequence per row, and a row of packed
-        documents would continue its last document with the others' tokens in the cache. A model of KDA layers alone
-        is refused a cache here, before transformers asks that cache for its length."""
-        generation_config = kwargs.get("generation_config") or self.generation_config
-        _check_not_assisted(generation_config, kwargs)
-        if not self.config.mla_layer_indices and kwargs.get("use_cache", generation_config.use_cache):
-            _check_cache_type(DynamicCache(config=self.config), self.config, self.device)
-        position_ids = kwargs.get("position_ids")
+    def _validate_model_kwargs(self, model_kwargs: dict) -> None:
+        """transformers' check of ``generate``'s model arguments, refusing packed prompts: generation decodes one
+        sequence per row, and a row of packed documents would continue its last document with the others' tokens."""
+        position_ids = model_kwargs.get("position_ids")
         restarting = (
             isinstance(position_ids, torch.Tensor)
-            and kwargs.get("attention_mask") is None
+            and model_kwargs.get("attention_mask") is None
             and bool((position_ids.diff(dim=-1) != 1).any())
         )
-        markers = _packing_markers(kwargs, restarting)
+        markers = _packing_markers(model_kwargs, restarting)
         if markers:
             raise ValueError(
                 f"generate() got packed documents ({markers}); give each prompt its own row (padded, with an "
                 "`attention_mask`)."
             )
-        return super().generate(*args, **kwargs)
+        super()._validate_model_kwargs(model_kwargs)
+
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs) -> None:
+        """transformers' check of the decoding mode, refusing what the KDA state cannot do: assisted decoding, and a
+        cache without MLA layers (refused before transformers asks that cache for its length)."""
+        _check_not_assisted(generation_mode, generation_config)
+        if generation_config.use_cache and not self.config.mla_layer_indices:
+            _check_cache_type(DynamicCache(config=self.config), self.config, self.device)
+        super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
 
     @accepts_legacy_cache_name
     @can_return_tuple

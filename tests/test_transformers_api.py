@@ -127,6 +127,16 @@ BORROWED_API = [
                 "`is_transposed` that use_experts_implementation sets",
                 "the sorted experts (kimi_k3.kernels.sorted_experts) run the grouped GEMMs of transformers' grouped_mm "
                 "experts backend, with its torch-version fallback, between their own gathers, and leave expert "
+    # generate's own validation steps: what the KDA state cannot decode is refused there, before any forward.
+    BorrowedApi("GenerationMixin._validate_model_kwargs", "generate refuses packed prompts (cu_seq_lens, seq_idx, "
+                "restarting position_ids without a mask)",
+                lambda: parameters(GenerationMixin._validate_model_kwargs) == ["self", "model_kwargs"]
+                and "self._validate_model_kwargs(" in inspect.getsource(GenerationMixin.generate)),
+    BorrowedApi("GenerationMixin._validate_generation_mode", "generate refuses assisted decoding (the KDA state cannot "
+                "be rolled back) and a cache for a model without MLA layers",
+                lambda: parameters(GenerationMixin._validate_generation_mode)
+                == ["self", "generation_mode", "generation_config", "generation_mode_kwargs"]
+                and "self._validate_generation_mode(" in inspect.getsource(GenerationMixin.generate)),
                 "parallelism's sentinel rows to the backend",
                 lambda: parameters(importlib.import_module("transformers.integrations.moe")._grouped_linear)
                 == ["input", "weight", "offs", "bias", "is_transposed"]
