@@ -61,6 +61,9 @@ MATCH_RMS_ADAMW = 0.2
 _KDA_HEAD_PROJS = ("q_proj", "k_proj", "v_proj")
 _MLA_QUERY_PROJS = ("q_b_proj", "q_proj")
 LAYER_PARAM = re.compile(r"layers\.(\d+)\.self_attn\.(\w+)\.weight$")
+# The vision tower's fused q/k/v projection: 3 x heads row blocks of head_dim (its output projection, MLP and the
+# projector are whole matrices).
+VISION_QKV_PARAM = re.compile(r"vision_tower\.encoder\.blocks\.\d+\.wqkv\.weight$")
 
 
 def row_pattern(group):
@@ -464,7 +467,8 @@ def build_param_groups(model, weight_decay=0.1, adamw_lr=None, split_kv=True, pe
 
     Each group lists its parameters' names under ``param_names`` (torch's named param groups). Muon: every trainable
     2-D weight (KDA q/k/v in ``linear_head_dim`` row blocks; MLA q_b_proj in
-    nope+rope blocks; kv_b_proj in (nope, v) or nope+v blocks; the rest whole), and the stacked experts per expert
+    nope+rope blocks; kv_b_proj in (nope, v) or nope+v blocks; a vision tower's wqkv in head_dim blocks, one per
+    q, k and v head; the rest whole), and the stacked experts per expert
     (shared-basis experts: each basis matrix, split like an expert; their coefficients go to AdamW).
     AdamW: embeddings, lm_head, conv kernels and the [1, hidden] AttnRes pseudo-queries (with decay), and 1-D tensors
     (without decay). Buffers such as the router's ``e_score_correction_bias`` are in no group. ``per_head=False``
@@ -497,10 +501,13 @@ def build_param_groups(model, weight_decay=0.1, adamw_lr=None, split_kv=True, pe
 def head_rows_by_layer_type(config, split_kv):
     mla_rows = config.qk_nope_head_dim + config.qk_rope_head_dim
     kv_rows = (config.qk_nope_head_dim, config.v_head_dim) if split_kv else config.qk_nope_head_dim + config.v_head_dim
-    return {
+    head_rows = {
         "linear_attention": dict.fromkeys(_KDA_HEAD_PROJS, config.linear_head_dim),
         "full_attention": {**dict.fromkeys(_MLA_QUERY_PROJS, mla_rows), "kv_b_proj": kv_rows},
     }
+    if getattr(config, "vision_config", None) is not None:
+        head_rows["vision"] = {"wqkv": config.vision_config.head_dim}
+    return head_rows
 
 
 def _group_tag(name, p, config, head_rows):
@@ -509,6 +516,8 @@ def _group_tag(name, p, config, head_rows):
         return (("use_muon", False), ("weight_decay", 0.0)), None
     if "embed_tokens" in name or "lm_head" in name or name.endswith("_res_proj.weight"):
         return (("use_muon", False),), None
+    if VISION_QKV_PARAM.search(name) and "vision" in head_rows:
+        return (("use_muon", True), ("head_rows", head_rows["vision"]["wqkv"])), None
     layer = LAYER_PARAM.search(name)
     if layer is not None:
         layer_type = config.layer_types[int(layer.group(1))]
