@@ -46,6 +46,16 @@ def parameters(function) -> list[str]:
     return list(inspect.signature(function).parameters)
 
 
+def accepts_positionally(function, *names: str) -> bool:
+    """``function(*names)`` still works: its leading positional parameters are ``names`` and any others have defaults
+    (torch 2.15 added keyword-only ``min``/``max`` to ``maybe_mark_dynamic``)."""
+    signature = inspect.signature(function).parameters.values()
+    leading = [p.name for p in signature if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][: len(names)]
+    rest = [p for p in signature if p.name not in names]
+    return leading == list(names) and all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+                                         for p in rest)
+
+
 def read_by_transformers(attribute: str) -> callable:
     """A model-class attribute counts as supported while transformers' own code still reads it."""
     return lambda: hasattr(PreTrainedModel, attribute) and TRANSFORMERS_SOURCE.count(attribute) > 1
@@ -117,16 +127,6 @@ BORROWED_API = [
         and module_has("transformers.integrations", "use_experts_implementation")()
         and module_has("transformers.initialization", "copy_", "normal_", "zeros_")(),
     ),
-    # transformers' push: the one step between writing its generic card template and uploading the folder.
-    BorrowedApi("PushToHubMixin._upload_modified_files",
-                "model.push_to_hub uploads a Kimi K3 card (hub_model_card) where transformers wrote its template",
-                lambda: parameters(PushToHubMixin._upload_modified_files)[:3] == ["self", "working_dir", "repo_id"]
-                and "self._upload_modified_files(" in inspect.getsource(PushToHubMixin.push_to_hub)),
-    # The opt-in variants (variants_kimi_k3.py) and the folders that ship them.
-    BorrowedApi("transformers.integrations.moe._grouped_linear, and the experts' `_is_expert_parallel` and "
-                "`is_transposed` that use_experts_implementation sets",
-                "the sorted experts (kimi_k3.kernels.sorted_experts) run the grouped GEMMs of transformers' grouped_mm "
-                "experts backend, with its torch-version fallback, between their own gathers, and leave expert "
     # generate's own validation steps: what the KDA state cannot decode is refused there, before any forward.
     BorrowedApi("GenerationMixin._validate_model_kwargs", "generate refuses packed prompts (cu_seq_lens, seq_idx, "
                 "restarting position_ids without a mask)",
@@ -137,6 +137,11 @@ BORROWED_API = [
                 lambda: parameters(GenerationMixin._validate_generation_mode)
                 == ["self", "generation_mode", "generation_config", "generation_mode_kwargs"]
                 and "self._validate_generation_mode(" in inspect.getsource(GenerationMixin.generate)),
+    # The opt-in variants (variants_kimi_k3.py) and the folders that ship them.
+    BorrowedApi("transformers.integrations.moe._grouped_linear, and the experts' `_is_expert_parallel` and "
+                "`is_transposed` that use_experts_implementation sets",
+                "the sorted experts (kimi_k3.kernels.sorted_experts) run the grouped GEMMs of transformers' grouped_mm "
+                "experts backend, with its torch-version fallback, between their own gathers, and leave expert "
                 "parallelism's sentinel rows to the backend",
                 lambda: parameters(importlib.import_module("transformers.integrations.moe")._grouped_linear)
                 == ["input", "weight", "offs", "bias", "is_transposed"]
@@ -217,7 +222,7 @@ BORROWED_API = [
     BorrowedApi("torch._dynamo.maybe_mark_dynamic",
                 "kimi_k3.kernels.compiled.leading_dims_dynamic: the SiTU-GLU kernels compile once per model width, "
                 "with the width a constant, for every row count",
-                lambda: parameters(importlib.import_module("torch._dynamo").maybe_mark_dynamic) == ["t", "index"]),
+                lambda: accepts_positionally(importlib.import_module("torch._dynamo").maybe_mark_dynamic, "t", "index")),
     # inductor keeps 16-bit intermediates in fp32 unless told to round them as eager does.
     BorrowedApi("torch.compile(options={'emulate_precision_casts': True})",
                 "kimi_k3.optim.elementwise: Per-Head Muon's compiled passes round a bf16 parameter's momentum and "

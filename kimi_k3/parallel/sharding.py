@@ -29,17 +29,28 @@ def shard_decoder_layers(model: nn.Module, mesh: DeviceMesh | None = None, **ful
 
     One layer's parameters are gathered at a time in forward and backward. Router buffers (bias, statistics) are
     not sharded: every rank keeps a full copy, as Quantile Balancing needs. ``mesh`` defaults to all ranks on the
-    current accelerator (CPU with gloo when there is none); ``fully_shard_kwargs`` go to every ``fully_shard`` call.
+    device the model's parameters are on (see :func:`mesh_device_type`); ``fully_shard_kwargs`` go to every
+    ``fully_shard`` call.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("shard_decoder_layers needs torch.distributed; call dist.init_process_group() first")
     if mesh is None:
-        accelerator = torch.accelerator.current_accelerator()
-        mesh = init_device_mesh(accelerator.type if accelerator else "cpu", (dist.get_world_size(),))
+        mesh = init_device_mesh(mesh_device_type(model), (dist.get_world_size(),))
     for layer in model.base_model.layers:
         fully_shard(layer, mesh=mesh, **fully_shard_kwargs)
     fully_shard(model, mesh=mesh, **fully_shard_kwargs)
     return model
+
+
+def mesh_device_type(model: nn.Module) -> str:
+    """Where the model's parameters are; for a model on the meta device (built to be materialised after sharding),
+    the accelerator only where one is actually usable. torch's CUDA builds, which the package index also serves to
+    machines without a GPU, name ``cuda`` as their accelerator even there, and a CUDA mesh then fails on the driver."""
+    device = next(model.parameters()).device
+    if device.type != "meta":
+        return device.type
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    return accelerator.type if accelerator is not None else "cpu"
 
 
 def sharded_loading_config(fsdp_size: int, expert_parallel_size: int = 1) -> DistributedConfig:
