@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from huggingface_hub import split_state_dict_into_shards_factory
+from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE, SAFETENSORS_WEIGHTS_FILE_PATTERN
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
@@ -54,9 +56,7 @@ from kimi_k3.checkpoint import run_folder
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "check_exportable", "export_released", "import_released"]
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
-SAFE_WEIGHTS_NAME = "model.safetensors"
 CONVERSION_LOCK_SUFFIX = ".converting.lock"
-SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 _SAFETENSORS_DTYPES = {
     "BF16": torch.bfloat16,
     "F16": torch.float16,
@@ -323,13 +323,12 @@ class _ShardReader:
 
 def checkpoint_shard_files(folder: Path) -> list[str]:
     """The safetensors shards of a saved folder: those its index names, or its single ``model.safetensors``."""
-    index = folder / SAFE_WEIGHTS_INDEX_NAME
-    if index.is_file():
-        shard_names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [str(folder / shard_name) for shard_name in shard_names]
-    if (folder / SAFE_WEIGHTS_NAME).is_file():
-        return [str(folder / SAFE_WEIGHTS_NAME)]
-    raise ValueError(f"{folder} holds no {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME}.")
+    index, single = folder / SAFETENSORS_INDEX_FILE, folder / SAFETENSORS_SINGLE_FILE
+    if os.path.lexists(index):
+        return shard_index_files(str(index), folder_root(folder))
+    if os.path.lexists(single):
+        return [checked_regular_file(single, folder_root(folder))]
+    raise ValueError(f"{folder} holds no {SAFETENSORS_SINGLE_FILE} or {SAFETENSORS_INDEX_FILE}.")
 
 
 def _open_checkpoint(folder: Path) -> tuple[dict[str, CheckpointEntry], _ShardReader]:
@@ -338,38 +337,29 @@ def _open_checkpoint(folder: Path) -> tuple[dict[str, CheckpointEntry], _ShardRe
 
 
 def _write_checkpoint(steps: list[_Step], folder: Path, max_shard_bytes: int, progress: bool, desc: str) -> list[str]:
-    """Write the steps' outputs in shards of at most ``max_shard_bytes`` (a step never straddles two shards)."""
-    shards = _group_into_shards(steps, max_shard_bytes)
-    count = len(shards)
-    names = [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
-    names = names if count > 1 else [SAFE_WEIGHTS_NAME]
-    total_bytes = sum(step.nbytes for step in steps)
+    """Write the steps' outputs in shards of at most ``max_shard_bytes`` (a step never straddles two shards), grouped and
+    named by huggingface_hub's sharding (``model-00001-of-00002.safetensors``, as ``save_pretrained``), each step's
+    tensors made only when its shard is written."""
+    if max_shard_bytes < 1:
+        raise ValueError(f"`max_shard_bytes` must be a positive number of bytes, got {max_shard_bytes}.")
+    split = split_state_dict_into_shards_factory(
+        {str(number): step for number, step in enumerate(steps)}, get_storage_size=lambda step: step.nbytes,
+        filename_pattern=SAFETENSORS_WEIGHTS_FILE_PATTERN, max_shard_size=max_shard_bytes,
+    )
     weight_map = {}
-    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc=desc, disable=not progress) as bar:
-        for shard_name, shard_steps in zip(names, shards):
+    with tqdm(total=split.metadata["total_size"], unit="B", unit_scale=True, desc=desc, disable=not progress) as bar:
+        for shard_name, step_numbers in split.filename_to_tensors.items():
             tensors = {}
-            for step in shard_steps:
-                tensors.update(step.make())
-                bar.update(step.nbytes)
+            for number in step_numbers:
+                tensors.update(steps[int(number)].make())
+                bar.update(steps[int(number)].nbytes)
             save_file(tensors, str(folder / shard_name), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(tensors, shard_name))
             del tensors
-    if count > 1:
-        index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
-        (folder / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    return names
-
-
-def _group_into_shards(steps: list[_Step], max_shard_bytes: int) -> list[list[_Step]]:
-    if max_shard_bytes < 1:
-        raise ValueError(f"`max_shard_bytes` must be a positive number of bytes, got {max_shard_bytes}.")
-    shards, size = [[]], 0
-    for step in steps:
-        if shards[-1] and size + step.nbytes > max_shard_bytes:
-            shards, size = [*shards, []], 0
-        shards[-1].append(step)
-        size += step.nbytes
-    return shards
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": weight_map}
+        (folder / SAFETENSORS_INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return list(split.filename_to_tensors)
 
 
 def _absent_or_empty(folder: Path) -> Path:
@@ -381,12 +371,12 @@ def _absent_or_empty(folder: Path) -> Path:
 def _copy_auxiliary_files(source: Path, target: Path) -> None:
     """Tokenizer, generation config, card: everything but weights, configs and code (each layout has its own), and
     never a checkpoint's Trainer state (optimizer moments, pickles), which is named once instead."""
-    left_out = []
+    left_out, root = [], folder_root(source)
     for path in sorted(source.iterdir()):
-        skipped = path.name in ("config.json", SAFE_WEIGHTS_INDEX_NAME) or path.suffix in (".safetensors", ".py")
+        skipped = path.name in ("config.json", SAFETENSORS_INDEX_FILE) or path.suffix in (".safetensors", ".py")
         if any(fnmatch(path.name, pattern) for pattern in run_folder.TRAINER_STATE_PATTERNS):
             left_out.append(path.name)
-        elif path.is_file() and not skipped:
-            shutil.copy2(path, target / path.name)
+        elif not skipped and not path.is_dir():
+            shutil.copy2(checked_regular_file(path, root), target / path.name)  # checked again: it may have changed
     if left_out:
         print(f"not converted (Trainer state, not part of the model): {', '.join(left_out)}", file=sys.stderr)

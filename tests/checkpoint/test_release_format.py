@@ -535,7 +535,7 @@ def test_shared_basis_export_materialises_each_expert_and_reloads_as_the_materia
                                     {"dynamic_experts_per_token": True}])
 def test_export_refuses_variants_the_released_layout_cannot_represent_in_one_line(fields, tmp_path, capsys):
     KimiK3VariantForCausalLM(tiny_config(**MXFP4_SHAPES, **fields)).save_pretrained(tmp_path / "ours")
-    assert convert_main(["to-release", str(tmp_path / "ours"), str(tmp_path / "released"), "--no-progress"]) == 2
+    assert convert_main(["to-release", str(tmp_path / "ours"), str(tmp_path / "released"), "--no_progress"]) == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert re.fullmatch(rf"kimi-k3-convert: error: export_released: the released layout cannot represent .*"
                         rf"\({next(iter(fields))}\); keep this project's layout.*", line), line
