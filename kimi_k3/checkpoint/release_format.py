@@ -323,11 +323,12 @@ class _ShardReader:
 
 def checkpoint_shard_files(folder: Path) -> list[str]:
     """The safetensors shards of a saved folder: those its index names, or its single ``model.safetensors``."""
-    index, single = folder / SAFETENSORS_INDEX_FILE, folder / SAFETENSORS_SINGLE_FILE
-    if os.path.lexists(index):
-        return shard_index_files(str(index), folder_root(folder))
-    if os.path.lexists(single):
-        return [checked_regular_file(single, folder_root(folder))]
+    index = folder / SAFETENSORS_INDEX_FILE
+    if index.is_file():
+        shard_names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [str(folder / shard_name) for shard_name in shard_names]
+    if (folder / SAFETENSORS_SINGLE_FILE).is_file():
+        return [str(folder / SAFETENSORS_SINGLE_FILE)]
     raise ValueError(f"{folder} holds no {SAFETENSORS_SINGLE_FILE} or {SAFETENSORS_INDEX_FILE}.")
 
 
@@ -371,12 +372,12 @@ def _absent_or_empty(folder: Path) -> Path:
 def _copy_auxiliary_files(source: Path, target: Path) -> None:
     """Tokenizer, generation config, card: everything but weights, configs and code (each layout has its own), and
     never a checkpoint's Trainer state (optimizer moments, pickles), which is named once instead."""
-    left_out, root = [], folder_root(source)
+    left_out = []
     for path in sorted(source.iterdir()):
         skipped = path.name in ("config.json", SAFETENSORS_INDEX_FILE) or path.suffix in (".safetensors", ".py")
         if any(fnmatch(path.name, pattern) for pattern in run_folder.TRAINER_STATE_PATTERNS):
             left_out.append(path.name)
-        elif not skipped and not path.is_dir():
-            shutil.copy2(checked_regular_file(path, root), target / path.name)  # checked again: it may have changed
+        elif path.is_file() and not skipped:
+            shutil.copy2(path, target / path.name)
     if left_out:
         print(f"not converted (Trainer state, not part of the model): {', '.join(left_out)}", file=sys.stderr)
