@@ -24,6 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from kimi_k3.ablation.report import cpu_name  # noqa: E402
 from kimi_k3.job.allocator import allocator_name, loaded_allocator, restart_under_tcmalloc  # noqa: E402
 from kimi_k3.kernels.compiled import isa_safe_compile_caches  # noqa: E402
 from kimi_k3.optim.precision import cpu_has_native_bf16  # noqa: E402
@@ -105,14 +106,8 @@ def machine_description() -> dict:
     """What the numbers were measured on: CPU, threads, library versions, date and the load when the run started."""
     from transformers import __version__ as transformers_version
 
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            cpu = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     return {
-        "cpu": cpu,
+        "cpu": cpu_name(),
         # bf16 matmuls are native only with AVX-512-BF16 or AMX: elsewhere they run 15-100x slower than fp32.
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "avx512_bf16": torch.cpu._is_avx512_bf16_supported(),

@@ -77,7 +77,9 @@ def difference(row: list[float], baseline: list[float], form: str) -> str:
 
 def cpu_name() -> str:
     """The CPU's model name and, where Linux gives them, its family and model numbers: an "AMD EPYC" can be any of
-    several generations, which differ in speed and may differ in what they run fast."""
+    several generations, which differ in speed and may differ in what they run fast. (Not `torch.utils.collect_env`:
+    it gives lscpu's whole report, without the family and model on one line, after running pip, conda, lscpu and
+    nvidia-smi as subprocesses.)"""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
         first = {}
