@@ -28,7 +28,6 @@ from functools import partial
 from typing import NamedTuple
 
 import torch
-from huggingface_hub import ModelCard, ModelCardData
 from safetensors import SafetensorError, safe_open
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import Concatenate, ConversionOps, MergeModulelist, PrefixChange, WeightConverter
@@ -679,37 +678,3 @@ def _refuse_incomplete_load(model, loading_info) -> None:
     problems += [f"{name}: {error.strip().splitlines()[-1]}" for name, error in loading_info.conversion_errors.items()]
     if problems:
         raise ValueError(_refusal(problems))
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Published folders
-# ---------------------------------------------------------------------------------------------------------------------
-# What a Kimi K3 card declares: the hub runs the repository's own code (custom_code) for text generation.
-HUB_CARD_TAGS = ("kimi_k3", "moe", "custom_code")
-# The description of transformers' generic card template (``create_and_tag_model_card``), which a push replaces.
-GENERIC_CARD_MARK = "This model card has been automatically generated."
-
-
-def hub_model_card(model, repo_id: str) -> ModelCard:
-    """The card to publish ``model`` under ``repo_id``: the Kimi K3 card (tag ``kimi_k3``) of the local folder it was
-    loaded from, named for ``repo_id``, else a short card saying what the model is and how to load it."""
-    folder_card = os.path.join(str(getattr(model, "name_or_path", "") or ""), "README.md")
-    if os.path.isfile(folder_card):
-        card = ModelCard.load(folder_card)
-        if "kimi_k3" in (card.data.tags or []):
-            card.data.model_name = repo_id
-            return card
-    data = ModelCardData(library_name="transformers", pipeline_tag="text-generation", tags=list(HUB_CARD_TAGS),
-                         model_name=repo_id)
-    return ModelCard(
-        f"---\n{data.to_yaml()}\n---\n\n# {repo_id}\n\n"
-        f"A {model.num_parameters():,}-parameter language model with the Kimi K3 architecture (K3 report, "
-        "arXiv:2607.24653): Kimi Delta Attention interleaved with gated MLA, Block Attention Residuals and a Stable "
-        "LatentMoE feed-forward. Its modeling code ships in this repository, so it loads with plain transformers:\n\n"
-        "```python\nfrom transformers import AutoModelForCausalLM\n\n"
-        f'model = AutoModelForCausalLM.from_pretrained("{repo_id}", trust_remote_code=True)\n```\n'
-    )
-
-
-def is_generic_card(path: str) -> bool:
-    return os.path.isfile(path) and GENERIC_CARD_MARK in ModelCard.load(path).text

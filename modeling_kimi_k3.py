@@ -56,8 +56,6 @@ try:
         STRICT_LOADING,
         check_local_folder,
         fuse_per_expert_weights,
-        hub_model_card,
-        is_generic_card,
         load_checkpoint,
         register_expert_layout,
     )
@@ -67,8 +65,6 @@ except ImportError:
         STRICT_LOADING,
         check_local_folder,
         fuse_per_expert_weights,
-        hub_model_card,
-        is_generic_card,
         load_checkpoint,
         register_expert_layout,
     )
@@ -1178,14 +1174,6 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         return load_checkpoint(
             PreTrainedModel._load_pretrained_model, model, state_dict, checkpoint_files, load_config, expected_keys
         )
-
-    def _upload_modified_files(self, working_dir, repo_id, *args, **kwargs):
-        """``push_to_hub`` uploads a Kimi K3 card (`hub_model_card`) where transformers has just written its generic
-        template; a card the repository already had is kept."""
-        readme = os.path.join(working_dir, "README.md")
-        if is_generic_card(readme):
-            hub_model_card(self, repo_id).save(readme)
-        return super()._upload_modified_files(working_dir, repo_id, *args, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

@@ -19,7 +19,6 @@ import pytest
 import torch
 import transformers
 from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel, Trainer
-from transformers.utils import PushToHubMixin
 
 import configuration_kimi_k3
 import modeling_kimi_k3

@@ -7,17 +7,18 @@ cause and the fix, in the options both commands that push share (``kimi-k3-push`
 """
 
 import json
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
 from huggingface_hub import HfApi, ModelCard, constants, get_session, get_token
-from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, OfflineModeIsEnabled
 from transformers.dynamic_module_utils import get_relative_imports
 
 from kimi_k3.checkpoint import run_folder
 from kimi_k3.checkpoint.finite import check_finite_files
 from kimi_k3.checkpoint.release_format import checkpoint_shard_files
-from kimi_k3.publishing.model_card import is_our_card, metadata_problems
+from kimi_k3.publishing.model_card import card_to_publish, is_our_card, metadata_problems
 
 # Trainer state and hidden files (staging folders, the job's lock) never belong in a published model.
 TRAINING_STATE_PATTERNS = [*run_folder.TRAINER_STATE_PATTERNS, ".*"]
@@ -144,6 +145,30 @@ def push_folder(
         )
     where = repo_id if revision is None else f"{repo_id}, branch {revision}"
     return f"{where}, pull request {commit.pr_url}" if create_pr else where
+
+
+def push_model(model, repo_id: str, token: str | None = None, commit_message: str = "Upload Kimi K3 model") -> str:
+    """Upload ``model`` as ``save_pretrained`` writes it (config, weights, model code) to ``repo_id`` with a Kimi K3
+    card (`card_to_publish`) where the repository has none; returns the repository id. transformers' own
+    ``model.push_to_hub`` uploads its generic template card instead; ``kimi-k3-push`` publishes a trained folder."""
+    token = resolve_token(token)
+    api = HfApi(token=token)
+    with failures_explained(api, repo_id, None):
+        repo_id = api.create_repo(repo_id, exist_ok=True).repo_id
+        with tempfile.TemporaryDirectory() as folder:
+            model.save_pretrained(folder)
+            if not repository_has_card(repo_id, token):
+                card_to_publish(model, repo_id).save(Path(folder, "README.md"))
+            api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message)
+    return repo_id
+
+
+def repository_has_card(repo_id: str, token: str | None) -> bool:
+    try:
+        ModelCard.load(repo_id, token=token)
+    except EntryNotFoundError:
+        return False
+    return True
 
 
 @contextmanager

@@ -342,6 +342,17 @@ def card_for_folder(folder: Path, name: str, metadata: dict[str, object] | None 
     return render_model_card(model, name, metadata=metadata)
 
 
+def card_to_publish(model: torch.nn.Module, repo_id: str) -> ModelCard:
+    """The card to publish ``model`` as ``repo_id``: the Kimi K3 card of the local folder it was loaded from (named for
+    ``repo_id``; title and usage stay), else one rendered for the model without training records."""
+    folder_card = Path(str(getattr(model, "name_or_path", "") or ""), "README.md")
+    if not is_our_card(folder_card):
+        return render_model_card(model, repo_id)
+    card = ModelCard.load(folder_card)
+    card.data.model_name = repo_id
+    return card
+
+
 def set_license(readme: Path, fields: dict[str, str]) -> None:
     """Replace the license fields of the card ``readme`` in place (the prose never states the license)."""
     card = ModelCard.load(readme)
