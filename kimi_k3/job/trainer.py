@@ -34,7 +34,13 @@ class SaveError(RuntimeError):
 
 class KimiK3Trainer(Trainer):
     """``Trainer`` whose checkpoints appear atomically, also load into models sharded at load time, and whose
-    evaluations report perplexity."""
+    evaluations report perplexity.
+
+    Seven private methods are overridden (each checked in tests/test_transformers_api.py) because the public surface
+    has no seam there: callbacks run after a checkpoint is written (``on_save``), not around it;
+    ``on_pre_optimizer_step`` gets no gradient norm, so checking one there would be a second pass over every gradient;
+    and loading a checkpoint, the best model, the optimizer state or the RNG files has no hook at all.
+    """
 
     _staging_run_dir: Path | None = None
     # What `kimi_k3.job.run_settings.check_unchanged` compares a resume with; the job sets it.

@@ -12,7 +12,10 @@ bias is left at zero (``--router_balancing none``); beside a bias rule the route
 
 As for the other policies, the model records nothing: :class:`AuxiliaryBalanceLoss` hooks every router and the model
 from outside, and adds α·Σ L_Bal to the loss the model returns in a training forward with gradients. Padding tokens
-(a 2-D ``attention_mask``) are not counted, so T is each sequence's number of real tokens.
+(a 2-D ``attention_mask``) are not counted, so T is each sequence's number of real tokens. (Not
+``Trainer(compute_loss_func=...)`` over the model's ``router_logits``: that function sees no attention mask, so it
+cannot tell padding from masked labels, it takes over the language-model loss, and it exists only under ``Trainer``,
+where this policy acts the same in a plain loop.)
 """
 
 import torch
