@@ -41,7 +41,9 @@ class FolderNotWritableError(ValueError):
 # ---------------------------------------------------------------------------------------------------------------------
 class OutputFolderLock:
     """Exclusive, non-blocking lock of ``folder`` for the life of one job. ``release`` removes the lock file, and the
-    folder too when the lock created it and nothing else was written (a job stopped by bad input leaves no trace)."""
+    folder too when the lock created it and nothing else was written (a job stopped by bad input leaves no trace).
+    (Not ``filelock.FileLock``: the lock file here carries its holder's pid, host and start time for the second job's
+    message, and the folders it created go with it; filelock's 3.x releases truncate the file on every open.)"""
 
     def __init__(self, folder: str | Path, name: str = LOCK_NAME):
         self.folder = Path(folder)
