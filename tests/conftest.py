@@ -53,10 +53,15 @@ def config() -> KimiK3Config:
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_processes(command: list[str], timeout_s: float) -> str:
+# The one time limit of a test's subprocess: a ceiling that only a hang reaches. A correctness test never depends on
+# how fast the machine is; on 2 cores shared with other jobs a correct run takes many times its idle duration.
+HANG_CEILING_S = 3600
+
+
+def run_processes(command: list[str], timeout_s: float = HANG_CEILING_S) -> str:
     """Run a multi-process launch (torchrun, accelerate) from the repository root with one thread per process and
     return its output; fail the test with the output tail on error, killing the whole process group if it outlives
-    ``timeout_s``."""
+    ``timeout_s`` (a hang)."""
     pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -72,6 +77,6 @@ def run_processes(command: list[str], timeout_s: float) -> str:
     return output
 
 
-def torchrun(script: str, *args: str, nproc: int, timeout_s: float) -> None:
+def torchrun(script: str, *args: str, nproc: int, timeout_s: float = HANG_CEILING_S) -> None:
     run_processes([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                    script, *args], timeout_s)

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 import modeling_kimi_k3
 from kimi_k3.checkpoint.release_format import export_released
 from modeling_kimi_k3 import KimiK3ForCausalLM
-from tests.conftest import tiny_config
+from tests.conftest import HANG_CEILING_S, tiny_config
 from tests.checkpoint.test_release_format import MXFP4_SHAPES, mxfp4_representable_
 
 LOAD_IN_FRESH_PROCESS = textwrap.dedent(
@@ -115,7 +115,7 @@ def test_fresh_process_without_the_package_reproduces_logits(layout, request, tm
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_CEILING_S,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("ok")

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 from modeling_kimi_k3_vision import KimiK3ForConditionalGeneration
 from processing_kimi_k3 import KimiK3ImageProcessor, KimiK3Processor
+from tests.conftest import HANG_CEILING_S
 from tests.test_modeling_vision import randomize_, tiny_vl_config
 from tests.test_processing import word_tokenizer
 
@@ -74,7 +75,7 @@ def test_fresh_process_without_the_package_reproduces_logits_with_an_image(tmp_p
     env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
     result = subprocess.run(
         [sys.executable, "-I", "-c", LOAD_IN_FRESH_PROCESS, str(folder), str(tmp_path / "expected.safetensors")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_CEILING_S,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("ok")

@@ -1,6 +1,7 @@
 """The repository itself: no leftovers of an unfinished merge, functions short enough to read in one screen, no module
 reaching into another's underscored names, imports that follow one layering without cycles, every Markdown file a
-text cites present in the repository, and the README's commands the ones CI runs."""
+text cites present in the repository, the README's commands the ones CI runs, and no test limited by wall-clock time
+below the hang ceiling."""
 
 import ast
 import functools
@@ -25,7 +26,7 @@ TEXT_SUFFIXES = {".py", ".md", ".toml", ".yaml", ".yml", ".cfg", ".txt", ""}
 # The lab, the ablation suite, is on top, so nothing of the library depends on it.
 PACKAGE_LAYERS = (
     ("attachments",),
-    ("checkpoint", "kernels", "parallel", "text"),
+    ("checkpoint", "kernels", "parallel", "text", "vision"),
     ("optim", "policies", "publishing", "quantization"),
     ("job",),
     ("ablation", "planning"),
@@ -59,6 +60,22 @@ def test_no_merge_conflict_markers_are_committed():
 def python_trees() -> list[tuple[Path, ast.Module]]:
     return [(path.relative_to(ROOT), ast.parse(path.read_text(encoding="utf-8")))
             for path in tracked_files() if path.suffix == ".py"]
+
+
+# A time limit written as a number literal, as a keyword, a default or a constant named after a timeout.
+NUMERIC_TIME_LIMIT = re.compile(r"\btimeout\w*\s*(?::\s*float\s*)?=\s*\d", re.IGNORECASE)
+
+
+def test_no_test_limits_its_subprocesses_below_the_hang_ceiling():
+    """A correctness test does not depend on how fast the machine is: its subprocesses wait up to
+    ``tests.conftest.HANG_CEILING_S``, which only a hang reaches (a loaded machine once failed a 300 s limit)."""
+    limited = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in tracked_files() if path.suffix == ".py" and path.parts[len(ROOT.parts)] == "tests"
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if NUMERIC_TIME_LIMIT.search(line)
+    ]
+    assert not limited, f"use tests.conftest.HANG_CEILING_S instead of a numeric time limit: {limited}"
 
 
 def test_no_function_is_longer_than_sixty_lines():

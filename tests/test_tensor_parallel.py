@@ -13,12 +13,12 @@ from transformers.integrations.tensor_parallel import replace_layer_number_by_wi
 from configuration_kimi_k3 import KimiK3Config
 from kimi_k3.planning.verify import fake_process_group
 from modeling_kimi_k3 import KimiK3ForCausalLM
-from tests.conftest import tiny_config, torchrun
+from tests.conftest import HANG_CEILING_S, tiny_config, torchrun
 from tests.numerics import assert_as_accurate, perturb_parameters
 from tests.dist_scripts import tensor_parallel as scenario
 
 WORLD_SIZE = 2
-LAUNCH_TIMEOUT_S = 300
+LAUNCH_TIMEOUT_S = HANG_CEILING_S
 # Styles that keep the parameters they name whole on every rank (some act on the module's inputs, outputs or
 # gradients).
 WHOLE_STYLES = ("replicate", "replicated_with_grad_allreduce", "mla_kv_a_proj", "local_params")

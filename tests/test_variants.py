@@ -14,7 +14,7 @@ import torch
 
 from kimi_k3.policies.quantile_balancing import QuantileBalancing
 from modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3Model, KimiK3TopkRouter
-from tests.conftest import tiny_config
+from tests.conftest import HANG_CEILING_S, tiny_config
 from tests.numerics import assert_as_accurate
 from variants_kimi_k3 import (
     KimiK3DynamicTopkRouter,
@@ -385,7 +385,7 @@ def test_saved_variant_folders_reload_through_trust_remote_code_in_a_fresh_proce
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
     result = subprocess.run([sys.executable, "-I", "-c", LOAD_IN_FRESH_PROCESS, *folders], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=HANG_CEILING_S)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("ok")
 

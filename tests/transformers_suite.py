@@ -26,6 +26,8 @@ from pathlib import Path
 
 import transformers
 
+from tests.conftest import HANG_CEILING_S
+
 PACKAGE = "transformers_tests"
 MIXIN_FILES = ("test_modeling_common.py", "test_configuration_common.py", "test_training_mixin.py")
 
@@ -77,7 +79,7 @@ def download_test_sources(version: str, target: Path) -> None:
     with tempfile.TemporaryDirectory() as work:
         command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
                    f"transformers=={version}", "--dest", work]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=HANG_CEILING_S)
         sdists = list(Path(work).glob("transformers-*.tar.gz"))
         if result.returncode != 0 or not sdists:
             raise SuiteUnavailable(f"pip could not download the transformers {version} sdist: "

@@ -21,7 +21,7 @@ from kimi_k3.ablation.report import difference, mean_and_std, mean_curve, paired
 from kimi_k3.ablation.rows import QUICK_MODEL, ROWS, AblationError, check_applies
 from kimi_k3.text import corpus as data
 from modeling_kimi_k3 import KimiK3ForCausalLM
-from tests.conftest import ROOT, TINY_CONFIG
+from tests.conftest import HANG_CEILING_S, ROOT, TINY_CONFIG
 
 TINY_MODEL = {key: value for key, value in TINY_CONFIG.items() if key != "vocab_size"}
 KDA_ONLY = {**QUICK_MODEL, "use_cache": False, "layer_types": ["linear_attention"] * QUICK_MODEL["num_hidden_layers"]}
@@ -137,7 +137,7 @@ def results(out: Path) -> dict[str, dict]:
     return {path.parent.name: json.loads(path.read_text()) for path in sorted(out.glob("runs/*/seed-0.json"))}
 
 
-def kill_when(process: subprocess.Popen, ready: Path, timeout_s: float = 300) -> None:
+def kill_when(process: subprocess.Popen, ready: Path, timeout_s: float = HANG_CEILING_S) -> None:
     deadline = time.monotonic() + timeout_s
     while not ready.exists():
         assert process.poll() is None and time.monotonic() < deadline, "the matrix ended before the checkpoint"

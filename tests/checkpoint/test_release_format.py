@@ -27,7 +27,7 @@ from checkpoint_format_kimi_k3 import (
 from kimi_k3.checkpoint.release_format import export_released, import_released
 from modeling_kimi_k3 import KimiK3Experts, KimiK3ForCausalLM
 from kimi_k3.checkpoint.convert import main as convert_main
-from tests.conftest import tiny_config
+from tests.conftest import HANG_CEILING_S, tiny_config
 from variants_kimi_k3 import KimiK3VariantForCausalLM
 
 # Experts need input widths that are multiples of the MXFP4 group (32).
@@ -466,7 +466,7 @@ def test_converted_folders_carry_the_code_and_reload_with_trust_remote_code_in_a
     result = subprocess.run(
         [sys.executable, "-I", "-c", LOAD_CONVERTED_IN_FRESH_PROCESS, str(tmp_path / "expected.safetensors"),
          str(representable.released), str(ours)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_CEILING_S,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("ok")

@@ -1,9 +1,10 @@
 """Training scenarios run both in one process (the references, from the tests) and in 2 launched processes.
 
-Launched as ``accelerate launch --config_file configs/accelerate_ddp.yaml tests/dist_scripts/k3_scenarios.py WORK``
-(repository root on PYTHONPATH), every rank runs :func:`main`: DDP through ``Trainer``, a DDP resume of the
-single-process checkpoint, Quantile Balancing statistics, a raw FSDP2 loop, and ``Trainer`` on models sharded by
-transformers at load time (FSDP2, then FSDP2 with expert parallelism), all with Per-Head Muon and QK-Clip. Rank 0
+Launched as ``accelerate launch --config_file configs/accelerate_ddp.yaml tests/dist_scripts/k3_scenarios.py WORK
+NS_DTYPE`` (repository root on PYTHONPATH; ``NS_DTYPE`` is Per-Head Muon's Newton–Schulz precision, ``bfloat16`` or
+``float32``), every rank runs :func:`main`: DDP through ``Trainer``, a DDP resume of the single-process checkpoint,
+Quantile Balancing statistics, a raw FSDP2 loop, and ``Trainer`` on models sharded by transformers at load time
+(FSDP2, then FSDP2 with expert parallelism), all with Per-Head Muon and QK-Clip. Rank 0
 writes the results to ``WORK/distributed.pt``. The tests put ``config.json``, the initial model (``initial/``) and
 the single-process checkpoints into ``WORK`` first.
 
@@ -130,6 +131,7 @@ def train_with_trainer(
     config,
     output_dir,
     *,
+    ns_dtype,
     gradient_accumulation_steps,
     micro_batch=MICRO_BATCH,
     model=None,
@@ -139,6 +141,8 @@ def train_with_trainer(
 ) -> dict:
     """Per-Head Muon with QK-Clip and Quantile Balancing through ``Trainer`` for STEPS steps; ``save_steps=None``
     saves nothing, ``max_grad_norm=0`` clips no gradient (``Trainer`` still computes and logs the norm).
+    ``ns_dtype`` is Per-Head Muon's Newton–Schulz precision, forced rather than picked from the CPU, so that both
+    paths are checked on every machine.
 
     ``Trainer`` normalizes the loss by the label count of the whole global batch (over micro-batches and ranks),
     and DDP averages what each rank's ``world_size``-scaled loss gives: both add up to the same gradient. ``model``
@@ -172,7 +176,7 @@ def train_with_trainer(
         args=args,
         train_dataset=[{"input_ids": row, "labels": row} for row in sequences],
         data_collator=default_data_collator,
-        optimizer_cls_and_kwargs=(PerHeadMuonFactory, {"lr": LEARNING_RATE, "weight_decay": 0.1}),
+        optimizer_cls_and_kwargs=(PerHeadMuonFactory, {"lr": LEARNING_RATE, "weight_decay": 0.1, "ns_dtype": ns_dtype}),
         callbacks=[clipping, QuantileBalancingCallback(model, per_layer_metrics=False), recorder],
     )
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
@@ -186,7 +190,7 @@ def train_with_trainer(
     }
 
 
-def train_sharded_at_load_time(config, work: Path, expert_parallel_size: int = 1) -> dict:
+def train_sharded_at_load_time(config, work: Path, ns_dtype: str, expert_parallel_size: int = 1) -> dict:
     """``Trainer`` on the initial model loaded FSDP2-sharded over all ranks (experts split ``expert_parallel_size``
     ways), with the optimizer factory and QK-Clip of the unsharded runs, clipping no gradient.
 
@@ -201,7 +205,8 @@ def train_sharded_at_load_time(config, work: Path, expert_parallel_size: int = 1
     local_experts = experts.gate_up_proj.to_local().shape[0]
     output_dir = work / f"sharded_ep{expert_parallel_size}"
     result = train_with_trainer(
-        config, output_dir, gradient_accumulation_steps=1, model=model, save_steps=None, max_grad_norm=0
+        config, output_dir, ns_dtype=ns_dtype, gradient_accumulation_steps=1, model=model, save_steps=None,
+        max_grad_norm=0,
     )
     return {**result, "local_experts": local_experts}
 
@@ -236,18 +241,18 @@ def train_raw(model, optimizer, steps: list[list[torch.Tensor]]) -> dict:
     return {"losses": losses, "biases": torch.stack(biases)}
 
 
-def train_single_process_raw(config, model=None) -> dict:
+def train_single_process_raw(config, ns_dtype: str, model=None) -> dict:
     model = build_model(config) if model is None else model
-    optimizer = PerHeadMuon.for_model(model, lr=LEARNING_RATE)
+    optimizer = PerHeadMuon.for_model(model, lr=LEARNING_RATE, ns_dtype=ns_dtype)
     result = train_raw(model, optimizer, micro_batches(config))
     return {**result, "state": model.state_dict()}
 
 
-def train_fully_sharded(config, save_directory, model=None) -> dict:
+def train_fully_sharded(config, save_directory, ns_dtype: str, model=None) -> dict:
     """FSDP2 per decoder layer over all ranks, each rank training on its own micro-batch of every step."""
     model = shard_decoder_layers(build_model(config) if model is None else model)
     shapes = {name: (tuple(param.to_local().shape), tuple(param.shape)) for name, param in model.named_parameters()}
-    optimizer = PerHeadMuon.for_model(model, lr=LEARNING_RATE)
+    optimizer = PerHeadMuon.for_model(model, lr=LEARNING_RATE, ns_dtype=ns_dtype)
     result = train_raw(model, optimizer, micro_batches(config, ranks=[dist.get_rank()]))
     save_pretrained_full(model, save_directory)
     return {**result, "state": full_state_dict(model), "local_and_full_shapes": shapes}
@@ -289,29 +294,29 @@ def pooled_histograms_and_bias(config, batches: list[torch.Tensor]) -> dict:
 # ---------------------------------------------------------------------------------------------------------------------
 # Launched entry point
 # ---------------------------------------------------------------------------------------------------------------------
-def main(work: Path) -> None:
+def main(work: Path, ns_dtype: str) -> None:
     config = KimiK3Config.from_json_file(work / "config.json")
-    ddp = train_with_trainer(config, work / "ddp", gradient_accumulation_steps=1)
+    ddp = train_with_trainer(config, work / "ddp", ns_dtype=ns_dtype, gradient_accumulation_steps=1)
     if ddp["world_size"] != WORLD_SIZE or dist.get_world_size() != WORLD_SIZE:
         raise RuntimeError(f"expected {WORLD_SIZE} processes, Trainer saw world_size={ddp['world_size']}")
     rank = dist.get_rank()
     assert_replicated(torch.cat([tensor.flatten().float() for tensor in ddp["state"].values()]), "DDP weights")
     resumed = train_with_trainer(
-        config, work / "ddp_resumed", gradient_accumulation_steps=1,
+        config, work / "ddp_resumed", ns_dtype=ns_dtype, gradient_accumulation_steps=1,
         resume_from_checkpoint=str(work / "single" / f"checkpoint-{SAVE_STEPS}"),
     )
     # Two micro-batches per rank: the first two steps' shares of this rank.
     balancing = pooled_histograms_and_bias(config, [step[0] for step in micro_batches(config, ranks=[rank])[:2]])
-    fsdp = train_fully_sharded(config, work / "fsdp_model")
+    fsdp = train_fully_sharded(config, work / "fsdp_model", ns_dtype)
     fsdp_loaded = load_into_fully_sharded(config, work / "single" / f"checkpoint-{STEPS}")
-    sharded_at_load = train_sharded_at_load_time(config, work)
+    sharded_at_load = train_sharded_at_load_time(config, work, ns_dtype)
     sharded_loaded = load_through_trainer_into_sharded_at_load_time(work, work / "single" / f"checkpoint-{STEPS}")
-    expert_parallel = train_sharded_at_load_time(config, work, expert_parallel_size=WORLD_SIZE)
+    expert_parallel = train_sharded_at_load_time(config, work, ns_dtype, expert_parallel_size=WORLD_SIZE)
     qat = qat_config(config)
     ddp_qat = train_with_trainer(
-        qat, work / "ddp_qat", gradient_accumulation_steps=1, model=build_qat_model(config), save_steps=None
+        qat, work / "ddp_qat", ns_dtype=ns_dtype, gradient_accumulation_steps=1, model=build_qat_model(config), save_steps=None
     )
-    fsdp_qat = train_fully_sharded(qat, work / "fsdp_qat_model", model=build_qat_model(config))
+    fsdp_qat = train_fully_sharded(qat, work / "fsdp_qat_model", ns_dtype, model=build_qat_model(config))
     if rank == 0:
         results = {"ddp": ddp, "ddp_resumed": resumed, "balancing": balancing, "fsdp": fsdp, "fsdp_loaded": fsdp_loaded,
                    "sharded_at_load": sharded_at_load, "sharded_loaded": sharded_loaded,
@@ -320,4 +325,4 @@ def main(work: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2])

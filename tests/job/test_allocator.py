@@ -18,6 +18,7 @@ from kimi_k3.job.allocator import (
     find_tcmalloc,
     loaded_allocator,
 )
+from tests.conftest import HANG_CEILING_S
 
 REPO = Path(__file__).resolve().parents[2]
 # Where the machine has no TCMalloc nothing restarts anyway, and a test that nothing restarts could not fail there.
@@ -38,7 +39,7 @@ def run_probe(*arguments: str, **environ: str) -> subprocess.CompletedProcess:
     env = {key: value for key, value in os.environ.items()
            if key not in ("LD_PRELOAD", ALLOCATOR_VARIABLE, RESTARTED_VARIABLE)}
     return subprocess.run([sys.executable, "-c", PROBE, *(arguments or ("--seed", "3"))], env={**env, **environ},
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=HANG_CEILING_S)
 
 
 def test_the_choice_defaults_to_tcmalloc_and_names_the_variable_when_wrong():

@@ -23,7 +23,7 @@ from kimi_k3.job.trainer import save_failure
 from kimi_k3.publishing import hub
 from kimi_k3.publishing.model_card import TrainingSummary, render_model_card
 from modeling_kimi_k3 import KimiK3ForCausalLM
-from tests.conftest import TINY_CONFIG
+from tests.conftest import HANG_CEILING_S, TINY_CONFIG
 from tests.job.test_train import REPO, TINY_MODEL, run_main, tiny_args, trained, weights  # noqa: F401 (fixture)
 
 RESUME = ["--resume_from_checkpoint", "True", "--max_steps", "12"]
@@ -370,7 +370,7 @@ def test_config_whose_expert_names_alone_exceed_memory_is_refused_before_buildin
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "num_experts": 10**9}))
     result = subprocess.run([sys.executable, "-c", LOAD_UNDER_6_GB, str(folder)], capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO, timeout=120)  # fmt: skip
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO, timeout=HANG_CEILING_S)  # fmt: skip
     message = result.stderr.strip().splitlines()[-1]
     assert message.startswith("Refusing the config: num_experts gives 24,000,000,234 per-expert checkpoint names")
     assert "GiB of memory available; check num_experts in config.json" in message

@@ -39,7 +39,7 @@ from kimi_k3.policies.quantile_balancing import QuantileBalancing
 from kimi_k3.text.tokenizer import load_tokenizer, train_bpe_tokenizer
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from variants_kimi_k3 import KimiK3VariantForCausalLM
-from tests.conftest import TINY_CONFIG, tiny_config
+from tests.conftest import HANG_CEILING_S, TINY_CONFIG, tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 # The shared tiny model of the tests; the vocabulary size comes from the trained tokenizer.
@@ -139,7 +139,7 @@ def generate_in_fresh_process(folder: Path, workdir: Path) -> str:
     # Bytes, not text mode: universal newlines would turn a sampled "\r" before the printed newline into nothing.
     result = subprocess.run(
         [sys.executable, "-I", "-c", GENERATE_IN_FRESH_PROCESS, *args],
-        cwd=workdir, env=env, capture_output=True, timeout=300,
+        cwd=workdir, env=env, capture_output=True, timeout=HANG_CEILING_S,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr.decode()[-3000:]
     return result.stdout.decode().removesuffix("\n")
@@ -271,7 +271,7 @@ def test_flush_subnormals_trains_with_every_thread_flushing_and_records_the_sett
     argv = tiny_args(tmp_path / "run", corpus, "--flush_subnormals", "--max_steps", "2", "--save_steps", "2",
                      "--eval_steps", "2")
     result = subprocess.run([sys.executable, "-c", FLUSHING_JOB, json.dumps(argv)], cwd=REPO, capture_output=True,
-                            text=True, timeout=600)
+                            text=True, timeout=HANG_CEILING_S)
     assert result.returncode == 0, result.stderr[-3000:]
     status, subnormal, products = json.loads(result.stdout.splitlines()[-1])
     assert status == 0 and subnormal == 0 and products > 0
@@ -310,7 +310,7 @@ def load_tokenizer_in_fresh_process(folder: Path, workdir: Path, *ways: str) -> 
     env.update(HF_HOME=str(workdir / "hf-fresh"), HF_HUB_OFFLINE="1")
     return subprocess.run(
         [sys.executable, "-I", "-c", LOAD_TOKENIZER_IN_FRESH_PROCESS, str(folder), PROMPT, *ways],
-        cwd=workdir, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120,
+        cwd=workdir, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=HANG_CEILING_S,
     )  # fmt: skip
 
 
@@ -598,7 +598,7 @@ def test_second_job_in_a_locked_folder_fails_at_once_naming_folder_and_holder(tr
         assert train.main(tiny_args(tmp_path / "out", trained[1])) == 2
         assert time.perf_counter() - started < 5
     finally:
-        holder.communicate("", timeout=60)
+        holder.communicate("", timeout=HANG_CEILING_S)
     last_line = capsys.readouterr().err.strip().splitlines()[-1]
     assert last_line.startswith(
         f"kimi-k3-train: error: --output_dir {tmp_path / 'out'} is in use by another job (pid {holder.pid} on "
@@ -617,7 +617,7 @@ def test_lock_of_a_killed_job_is_not_stuck(tmp_path):
     holder = subprocess.run(
         [sys.executable, "-c", HOLD_LOCK + "; import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
          str(tmp_path / "out")],
-        env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=HANG_CEILING_S,
     )  # fmt: skip
     assert holder.returncode == -signal.SIGKILL and (tmp_path / "out" / run_folder.LOCK_NAME).exists()
     with run_folder.OutputFolderLock(tmp_path / "out") as lock:
@@ -884,7 +884,7 @@ def test_job_defaults_make_a_two_thread_cpu_backward_repeat_bit_for_bit():
     default (full_determinism on a CPU) makes them equal."""
     env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(REPO)}
     result = subprocess.run([sys.executable, "-c", REPEATED_BACKWARD], env=env, capture_output=True, text=True,
-                            timeout=300)
+                            timeout=HANG_CEILING_S)
     assert result.returncode == 0, result.stderr[-2000:]
 
 

@@ -28,7 +28,7 @@ from kimi_k3.kernels.fused_situ import (
     use_fused_situ,
 )
 from modeling_kimi_k3 import KimiK3GLUActivation, KimiK3SparseMoeBlock, situ_and_mul
-from tests.conftest import ROOT, CallCounter, tiny_config
+from tests.conftest import HANG_CEILING_S, ROOT, CallCounter, tiny_config
 from tests.numerics import assert_as_accurate
 
 
@@ -319,5 +319,5 @@ def test_kernels_compiled_under_a_restricted_cpu_capability_do_not_leak_through_
     environment.pop("ATEN_CPU_CAPABILITY", None)
     for restricted in ({"ATEN_CPU_CAPABILITY": "avx2"}, {}, {"ATEN_CPU_CAPABILITY": "avx2"}):
         result = subprocess.run([sys.executable, "-c", ISA_CHECK], env={**environment, **restricted},
-                                capture_output=True, text=True, timeout=300)
+                                capture_output=True, text=True, timeout=HANG_CEILING_S)
         assert result.returncode == 0, (restricted, result.stderr[-2000:])

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT
+from tests.conftest import HANG_CEILING_S, ROOT
 
 FLUSHING = """
 import json, torch
@@ -32,7 +32,7 @@ print(json.dumps(seen))
 def test_subnormals_are_flushed_on_every_intra_op_thread_and_kept_again():
     """torch's own call, made once the workers exist, flushes only its thread's share of a two-thread product;
     `flush_subnormals` flushes all of it, also on a worker started afterwards, and keeping them undoes it."""
-    result = subprocess.run([sys.executable, "-c", FLUSHING], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", FLUSHING], cwd=ROOT, capture_output=True, text=True, timeout=HANG_CEILING_S)
     assert result.returncode == 0, result.stderr
     seen = json.loads(result.stdout.splitlines()[-1])
     products = seen["start"][1]

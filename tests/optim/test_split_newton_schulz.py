@@ -39,12 +39,12 @@ from kimi_k3.optim.split_newton_schulz import (
     row_blocks,
 )
 from modeling_kimi_k3 import KimiK3ForCausalLM
-from tests.conftest import tiny_config, torchrun
+from tests.conftest import HANG_CEILING_S, tiny_config, torchrun
 from tests.dist_scripts import expert_parallel_muon as expert_parallel_scenario
 from tests.dist_scripts import split_newton_schulz as scenario
 
 WORLD_SIZE = 2
-LAUNCH_TIMEOUT_S = 900
+LAUNCH_TIMEOUT_S = HANG_CEILING_S
 
 
 def default_model_muon_shapes():

@@ -26,7 +26,7 @@ from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
 from accelerate.utils.launch import prepare_multi_gpu_env
 
 from modeling_kimi_k3 import KimiK3ForCausalLM
-from tests.conftest import run_processes, tiny_config
+from tests.conftest import HANG_CEILING_S, run_processes, tiny_config
 from tests.dist_scripts import k3_scenarios as scenarios
 from tests.job.test_train import tiny_args, write_corpus
 from tests.numerics import assert_within_rounding_spread, perturb_parameters
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[2]
 DDP_CONFIG = ROOT / "configs" / "accelerate_ddp.yaml"
 FSDP2_CONFIG = ROOT / "configs" / "accelerate_fsdp2.yaml"
-LAUNCH_TIMEOUT_S = 400
+LAUNCH_TIMEOUT_S = HANG_CEILING_S
 LAST_STEP = f"checkpoint-{scenarios.STEPS}"
 RESUME_STEP = f"checkpoint-{scenarios.SAVE_STEPS}"
 
@@ -47,12 +47,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch_two_processes(work: Path) -> None:
+def launch_two_processes(work: Path, ns_dtype: str) -> None:
     """``accelerate launch`` with the repository's DDP config; fails the test with the output tail on error."""
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(DDP_CONFIG),
         "--num_processes", str(scenarios.WORLD_SIZE), "--main_process_port", str(free_port()),
-        str(Path(scenarios.__file__)), str(work),
+        str(Path(scenarios.__file__)), str(work), ns_dtype,
     ]
     run_processes(command, LAUNCH_TIMEOUT_S)
 
@@ -69,44 +69,51 @@ def config():
     return tiny_config(num_attention_heads=3)
 
 
+# Newton–Schulz in bf16 is what "auto" picks on CPUs with native bf16 and on GPUs, fp32 elsewhere: both are forced, so
+# every CPU checks the bitwise promises of both.
+@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+def ns_dtype(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def work(tmp_path_factory, config):
-    work = tmp_path_factory.mktemp("distributed")
+def work(tmp_path_factory, config, ns_dtype):
+    work = tmp_path_factory.mktemp(f"distributed_{ns_dtype}")
     config.to_json_file(work / "config.json")
     scenarios.build_model(config).save_pretrained(work / "initial")
     return work
 
 
 @pytest.fixture(scope="module")
-def single_process(work, config):
+def single_process(work, config, ns_dtype):
     """The Trainer reference: 2 accumulated micro-batches per step; its checkpoints seed the 2-process resume."""
-    return scenarios.train_with_trainer(config, work / "single", gradient_accumulation_steps=2)
+    return scenarios.train_with_trainer(config, work / "single", ns_dtype=ns_dtype, gradient_accumulation_steps=2)
 
 
 @pytest.fixture(scope="module")
-def single_process_unclipped(work, config):
+def single_process_unclipped(work, config, ns_dtype):
     """The reference of the runs on models sharded at load time, which clip no gradient."""
     return scenarios.train_with_trainer(
-        config, work / "single_unclipped", gradient_accumulation_steps=2, save_steps=None, max_grad_norm=0
+        config, work / "single_unclipped", ns_dtype=ns_dtype, gradient_accumulation_steps=2, save_steps=None, max_grad_norm=0
     )
 
 
-def perturbed_run(config, output_dir, **settings) -> dict:
+def perturbed_run(config, output_dir, ns_dtype, **settings) -> dict:
     """A single-process run from the initial weights perturbed by one fp32 rounding: how far rounding-level
     differences carry through these steps, on this CPU (see tests/numerics.py)."""
     model = perturb_parameters(scenarios.build_model(config), seed=1)
-    return scenarios.train_with_trainer(config, output_dir, gradient_accumulation_steps=2, model=model,
-                                        save_steps=None, **settings)
+    return scenarios.train_with_trainer(config, output_dir, ns_dtype=ns_dtype, gradient_accumulation_steps=2,
+                                        model=model, save_steps=None, **settings)
 
 
 @pytest.fixture(scope="module")
-def single_process_perturbed(work, config):
-    return perturbed_run(config, work / "single_perturbed")
+def single_process_perturbed(work, config, ns_dtype):
+    return perturbed_run(config, work / "single_perturbed", ns_dtype)
 
 
 @pytest.fixture(scope="module")
-def single_process_unclipped_perturbed(work, config):
-    return perturbed_run(config, work / "single_unclipped_perturbed", max_grad_norm=0)
+def single_process_unclipped_perturbed(work, config, ns_dtype):
+    return perturbed_run(config, work / "single_unclipped_perturbed", ns_dtype, max_grad_norm=0)
 
 
 def assert_same_trajectory_up_to_rounding(actual: dict, reference: dict, perturbed: dict) -> None:
@@ -117,8 +124,8 @@ def assert_same_trajectory_up_to_rounding(actual: dict, reference: dict, perturb
 
 
 @pytest.fixture(scope="module")
-def two_processes(work, single_process):
-    launch_two_processes(work)
+def two_processes(work, single_process, ns_dtype):
+    launch_two_processes(work, ns_dtype)
     return torch.load(work / "distributed.pt", weights_only=False)
 
 
@@ -195,13 +202,13 @@ def test_ddp_trainer_equals_single_process_accumulating_the_same_global_batch(tw
 
 
 def test_ddp_trainer_matches_single_process_with_the_whole_global_batch_per_step(
-    two_processes, work, config, single_process_perturbed
+    two_processes, work, config, ns_dtype, single_process_perturbed
 ):
     """One batch of 2B sequences instead of 2 x B: the same gradient up to summation order, which bf16 NS amplifies.
 
     DDP equals the accumulating single process bitwise (above), so the perturbed single process bounds it."""
     whole = scenarios.train_with_trainer(
-        config, work / "whole_batch", gradient_accumulation_steps=1, micro_batch=scenarios.GLOBAL_BATCH
+        config, work / "whole_batch", ns_dtype=ns_dtype, gradient_accumulation_steps=1, micro_batch=scenarios.GLOBAL_BATCH
     )
     assert_same_trajectory_up_to_rounding(whole, two_processes["ddp"], single_process_perturbed)
 
@@ -235,8 +242,10 @@ def test_fsdp2_shards_every_parameter_along_its_rows_through_head_blocks(two_pro
     assert shapes[f"{mla}.kv_b_proj.weight"][0][0] % (config.qk_nope_head_dim + config.v_head_dim)
 
 
-def test_fsdp2_training_with_per_head_muon_qk_clip_and_quantile_balancing_equals_single_process(two_processes, config):
-    single = scenarios.train_single_process_raw(config)
+def test_fsdp2_training_with_per_head_muon_qk_clip_and_quantile_balancing_equals_single_process(
+    two_processes, config, ns_dtype
+):
+    single = scenarios.train_single_process_raw(config, ns_dtype)
     fsdp = two_processes["fsdp"]
     assert fsdp["losses"] == single["losses"]
     assert torch.equal(fsdp["biases"], single["biases"])
@@ -301,12 +310,12 @@ def test_single_process_checkpoint_loads_through_trainer_into_model_sharded_at_l
     assert_same_state(two_processes["sharded_loaded"], expected)
 
 
-def test_two_process_checkpoint_loads_and_resumes_in_one_process(two_processes, work, config):
+def test_two_process_checkpoint_loads_and_resumes_in_one_process(two_processes, work, config, ns_dtype):
     ddp = two_processes["ddp"]
     loaded = KimiK3ForCausalLM.from_pretrained(work / "ddp" / LAST_STEP)
     assert_same_state(loaded.state_dict(), ddp["state"])
     resumed = scenarios.train_with_trainer(
-        config, work / "single_resumed", gradient_accumulation_steps=2,
+        config, work / "single_resumed", ns_dtype=ns_dtype, gradient_accumulation_steps=2,
         resume_from_checkpoint=str(work / "ddp" / RESUME_STEP),
     )
     assert resumed["losses"] == ddp["losses"][scenarios.SAVE_STEPS:]
@@ -316,15 +325,15 @@ def test_two_process_checkpoint_loads_and_resumes_in_one_process(two_processes, 
 # ---------------------------------------------------------------------------------------------------------------------
 # MXFP4 quantization-aware training (kimi_k3.quantization.qat) under DDP and FSDP2
 # ---------------------------------------------------------------------------------------------------------------------
-def test_qat_under_ddp_and_fsdp2_equals_single_process(two_processes, work, config):
+def test_qat_under_ddp_and_fsdp2_equals_single_process(two_processes, work, config, ns_dtype):
     qat = scenarios.qat_config(config)
     single = scenarios.train_with_trainer(
-        qat, work / "single_qat", gradient_accumulation_steps=2, model=scenarios.build_qat_model(config), save_steps=None
+        qat, work / "single_qat", ns_dtype=ns_dtype, gradient_accumulation_steps=2, model=scenarios.build_qat_model(config), save_steps=None
     )
     assert two_processes["ddp_qat"]["losses"] == single["losses"]
     assert_same_state(two_processes["ddp_qat"]["state"], single["state"])
-    raw = scenarios.train_single_process_raw(qat, model=scenarios.build_qat_model(config))
+    raw = scenarios.train_single_process_raw(qat, ns_dtype, model=scenarios.build_qat_model(config))
     assert two_processes["fsdp_qat"]["losses"] == raw["losses"]
     assert_same_state(two_processes["fsdp_qat"]["state"], raw["state"])
-    plain = scenarios.train_single_process_raw(qat)
+    plain = scenarios.train_single_process_raw(qat, ns_dtype)
     assert plain["losses"] != raw["losses"]  # the QAT forward differs from the plain one

@@ -26,10 +26,11 @@ from kimi_k3.planning.plan import (
 from kimi_k3.planning.verify import differences, fake_process_group, shard, sharded_run
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from kimi_k3.planning import cli as plan_parallel
+from tests.conftest import HANG_CEILING_S
 
 ROOT = Path(__file__).resolve().parents[2]
 COUNT_SCRIPT = ROOT / "tests" / "dist_scripts" / "plan_counts.py"
-LAUNCH_TIMEOUT_S = 400
+LAUNCH_TIMEOUT_S = HANG_CEILING_S
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from kimi_k3.publishing import hub
 from kimi_k3.publishing.model_card import is_our_card, metadata_problems
 from kimi_k3.publishing.push import main as push_main
 from modeling_kimi_k3 import KimiK3ForCausalLM
-from tests.conftest import tiny_config
+from tests.conftest import HANG_CEILING_S, tiny_config
 from kimi_k3.job.expert_load import matplotlib_available
 from tests.conftest import TINY_CONFIG
 from tests.job.test_train import generate_in_fresh_process, run_main, sampled_continuation, tiny_args, write_corpus
@@ -417,7 +417,7 @@ def test_wheel_ships_card_template_and_renders_card_outside_source_tree(tmp_path
     shutil.rmtree(source)  # only the wheel's files remain to import from
     result = subprocess.run(
         [sys.executable, "-I", "-c", RENDER_CARD_FROM_WHEEL, str(tmp_path / "site"), json.dumps(TINY_CONFIG)],
-        cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=HANG_CEILING_S,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     card = ModelCard(result.stdout)
