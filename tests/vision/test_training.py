@@ -1,0 +1,91 @@
+"""Fine-tuning the vision-language model under ``Trainer`` on the synthetic image set: the loss falls, and the parts
+left frozen keep their weights bitwise."""
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Trainer, TrainingArguments
+
+from kimi_k3.optim.muon import PerHeadMuon
+from kimi_k3.vision.data import ImageTextCollator, check_columns, image_folder_dataset
+from kimi_k3.vision.freezing import train_parts
+from kimi_k3.vision.shapes import COLOURS, SHAPES, shapes_dataset
+from modeling_kimi_k3_vision import KimiK3ForConditionalGeneration
+from processing_kimi_k3 import KimiK3ImageProcessor, KimiK3Processor
+from tests.test_modeling_vision import tiny_vl_config
+
+WORDS = ["<pad>", "<s>", "</s>", "<|media_pad|>", "a", *sorted(COLOURS), *SHAPES]
+
+
+def caption_processor() -> KimiK3Processor:
+    words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="a"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=words, pad_token="<pad>", eos_token="</s>", additional_special_tokens=["<|media_pad|>"]
+    )
+    return KimiK3Processor(KimiK3ImageProcessor(), tokenizer)
+
+
+def caption_model() -> KimiK3ForConditionalGeneration:
+    config = tiny_vl_config()
+    config.vision_config.media_placeholder_token_id = WORDS.index("<|media_pad|>")
+    return KimiK3ForConditionalGeneration(config)
+
+
+def train(model, tmp_path, steps: int, optimizers=(None, None), learning_rate=1e-2) -> list[float]:
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=steps, learning_rate=learning_rate,
+        logging_steps=1, save_strategy="no", report_to=[], remove_unused_columns=False, use_cpu=True, seed=0,
+    )  # fmt: skip
+    trainer = Trainer(model, args, train_dataset=shapes_dataset(32), data_collator=ImageTextCollator(caption_processor()),
+                      optimizers=optimizers)
+    trainer.train()
+    return [log["loss"] for log in trainer.state.log_history if "loss" in log]
+
+
+def test_collator_pads_text_and_packs_images():
+    rows = [shapes_dataset(3)[i] for i in range(3)]
+    batch = ImageTextCollator(caption_processor())(rows)
+    placeholder = WORDS.index("<|media_pad|>")
+    assert batch["input_ids"].shape[0] == 3 and (batch["input_ids"][:, 0] == placeholder).all()
+    assert batch["grid_thws"].shape == (3, 3)
+    assert batch["pixel_values"].shape[0] == int(batch["grid_thws"].prod(-1).sum())
+    assert (batch["labels"][:, 0] == -100).all() and (batch["labels"][batch["attention_mask"] == 0] == -100).all()
+    assert batch["labels"][0, 1:4].tolist() == batch["input_ids"][0, 1:4].tolist()  # "a <colour> <shape>"
+
+
+def test_trainer_fine_tune_on_image_caption_pairs_lowers_the_loss(tmp_path):
+    losses = train(caption_model(), tmp_path, steps=12)
+    assert sum(losses[-3:]) / 3 < 0.7 * sum(losses[:3]) / 3, losses
+
+
+@pytest.mark.parametrize("parts", ["projector_and_language_model", "projector"])
+def test_frozen_parts_keep_their_weights(parts, tmp_path):
+    model = caption_model()
+    frozen = set(train_parts(model, parts))
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    # Per-Head Muon needs the language model's heads; the projector alone trains with Trainer's AdamW.
+    optimizer = PerHeadMuon.for_model(model, lr=1e-3) if parts != "projector" else None
+    train(model, tmp_path, steps=3, optimizers=(optimizer, None))
+    after = model.state_dict()
+    assert frozen and all(torch.equal(after[name], before[name]) for name in frozen)
+    assert not torch.equal(after["mm_projector.proj.0.weight"], before["mm_projector.proj.0.weight"])
+    assert all(name.startswith("vision_tower.") for name in frozen) == (parts == "projector_and_language_model")
+
+
+def test_unknown_parts_and_missing_columns_are_refused_in_one_line():
+    with pytest.raises(ValueError, match="--vision_train_parts 'tower'; allowed"):
+        train_parts(caption_model(), "tower")
+    with pytest.raises(ValueError, match="has no column 'caption'; its columns: \\['image', 'text'\\]"):
+        check_columns(shapes_dataset(1), "image", "caption")
+
+
+def test_image_folder_reads_each_image_with_its_caption_file(tmp_path):
+    for i, row in enumerate(shapes_dataset(2)):
+        row["image"].save(tmp_path / f"{i}.png")
+        (tmp_path / f"{i}.txt").write_text(row["text"] + "\n")
+    folder = image_folder_dataset(tmp_path)
+    assert folder["text"] == shapes_dataset(2)["text"]
+    (tmp_path / "2.png").write_bytes((tmp_path / "0.png").read_bytes())
+    with pytest.raises(ValueError, match="no caption file \\(<name>.txt\\) for 2.png"):
+        image_folder_dataset(tmp_path)
