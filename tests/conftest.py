@@ -80,3 +80,29 @@ def run_processes(command: list[str], timeout_s: float = HANG_CEILING_S) -> str:
 def torchrun(script: str, *args: str, nproc: int, timeout_s: float = HANG_CEILING_S) -> None:
     run_processes([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                    script, *args], timeout_s)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The device the model-side tests run on
+# ---------------------------------------------------------------------------------------------------------------------
+# `KIMI_K3_TEST_DEVICE=cuda python -m pytest -m "device and not distributed" tests/` runs the tests marked `device`
+# (the model files' kernels, packing, caching, generation and modeling tests) with every tensor they create without
+# naming a device on that device, through torch's default-device context; the tolerances stay the float64-derived
+# ones of tests/numerics.py. The CPU is the default, and CI's device.
+TEST_DEVICE = torch.device(os.environ.get("KIMI_K3_TEST_DEVICE", "cpu"))
+if TEST_DEVICE.type == "cuda" and not torch.cuda.is_available():
+    raise pytest.UsageError(f"KIMI_K3_TEST_DEVICE={TEST_DEVICE} but torch sees no CUDA device; use 'cpu' (the default).")
+
+
+@pytest.fixture(autouse=True)
+def _on_test_device(request):
+    if TEST_DEVICE.type == "cpu" or request.node.get_closest_marker("device") is None:
+        yield
+        return
+    with torch.device(TEST_DEVICE):
+        yield
+
+
+def seeded_generator(seed: int) -> torch.Generator:
+    """A seeded generator on the test device: a CPU generator cannot draw the tensors a device test creates there."""
+    return torch.Generator(TEST_DEVICE).manual_seed(seed)

@@ -29,7 +29,8 @@ ULPS = 8
 @torch.no_grad()
 def perturb_parameters(model: nn.Module, seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
     """``model`` with every parameter multiplied by ``1 + ε·N(0, 1)``, ``ε`` the unit roundoff of ``dtype``."""
-    generator, eps = torch.Generator().manual_seed(seed), torch.finfo(dtype).eps
+    generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
+    eps = torch.finfo(dtype).eps
     for parameter in model.parameters():
         noise = torch.randn(parameter.shape, generator=generator, dtype=torch.float64).to(parameter.dtype)
         parameter.mul_(1 + eps * noise)

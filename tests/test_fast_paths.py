@@ -10,15 +10,20 @@ outside are pinned to the model's reference in tests/kernels/test_fused_situ.py.
 import os
 import traceback
 
+import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import kda_kimi_k3
 import modeling_kimi_k3
+from kda_kimi_k3 import kda_sub_chunk_size
 from kimi_k3.policies.qk_clip import QKClip
 from kimi_k3.policies.quantile_balancing import QuantileBalancing, RouterStatistics
-from modeling_kimi_k3 import KimiK3DeltaAttention, kda_sub_chunk_size
-from tests.conftest import tiny_config
+from modeling_kimi_k3 import KimiK3DeltaAttention
+from tests.conftest import seeded_generator, tiny_config
+
+pytestmark = pytest.mark.device  # runs on KIMI_K3_TEST_DEVICE (tests/conftest.py)
 
 aten = torch.ops.aten
 
@@ -27,7 +32,7 @@ def kda_layer(dtype=torch.float64) -> tuple[KimiK3DeltaAttention, object]:
     """A KDA layer of the tiny config (gate_lower_bound −5) with O(1) random weights."""
     config = tiny_config()
     layer = KimiK3DeltaAttention(config, layer_idx=config.layer_types.index("linear_attention")).to(dtype)
-    generator = torch.Generator().manual_seed(0)
+    generator = seeded_generator(0)
     with torch.no_grad():
         for parameter in layer.parameters():
             parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=dtype) * 0.5)
@@ -48,13 +53,13 @@ def test_kda_layer_runs_the_sub_chunked_kernel_with_its_lower_bound(monkeypatch)
     """The layer hands its gate_lower_bound to `chunk_kda`: fp32 prefill uses 16-step sub-chunks, not the S = 1 form."""
     layer, config = kda_layer(dtype=torch.float32)
     used = []
-    scores = modeling_kimi_k3.kda_intra_chunk_scores
+    scores = kda_kimi_k3.kda_intra_chunk_scores
 
     def recording_scores(q, k, gamma, sub_chunk_size):
         used.append(sub_chunk_size)
         return scores(q, k, gamma, sub_chunk_size)
 
-    monkeypatch.setattr(modeling_kimi_k3, "kda_intra_chunk_scores", recording_scores)
+    monkeypatch.setattr(kda_kimi_k3, "kda_intra_chunk_scores", recording_scores)
     layer(torch.randn(1, 70, config.hidden_size))
     assert used == [kda_sub_chunk_size(64, -5.0, torch.float32)] == [16]
 
@@ -79,7 +84,7 @@ def test_chunked_kda_copies_each_input_once_into_chunk_order():
     for seq_len in (128, 77):  # whole chunks, a padded tail
         q, k, v, g, beta = (torch.rand(2, seq_len, 3, *tail) for tail in ((16,), (16,), (8,), (16,), ()))
         with CopyRecorder() as recorder:
-            modeling_kimi_k3.chunk_kda(q, k, v, -g, beta, chunk_size=32, gate_lower_bound=-5.0)
+            kda_kimi_k3.chunk_kda(q, k, v, -g, beta, chunk_size=32, gate_lower_bound=-5.0)
         assert recorder.copies == 5, seq_len
 
 

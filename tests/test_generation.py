@@ -8,8 +8,10 @@ from transformers import DynamicCache, GenerationConfig
 from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
 from modeling_kimi_k3 import CACHE_FIELD, KimiK3ForCausalLM
-from tests.conftest import tiny_config
+from tests.conftest import seeded_generator, tiny_config
 from tests.numerics import assert_as_accurate, float64_copy
+
+pytestmark = pytest.mark.device  # runs on KIMI_K3_TEST_DEVICE (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,7 @@ def exact_model(model):
 
 
 def left_padded_prompts(lengths, vocab=97, pad=0):
-    generator = torch.Generator().manual_seed(1)
+    generator = seeded_generator(1)
     width = max(lengths)
     ids = torch.full((len(lengths), width), pad, dtype=torch.long)
     mask = torch.zeros(len(lengths), width, dtype=torch.long)

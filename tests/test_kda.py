@@ -5,7 +5,7 @@ from functools import partial
 import pytest
 import torch
 
-from modeling_kimi_k3 import (
+from kda_kimi_k3 import (
     chunk_kda,
     kda_decay_gate,
     kda_intra_chunk_scores,
@@ -13,7 +13,10 @@ from modeling_kimi_k3 import (
     l2_normalize,
     recurrent_kda,
 )
+from tests.conftest import seeded_generator
 from tests.numerics import assert_as_accurate
+
+pytestmark = pytest.mark.device  # runs on KIMI_K3_TEST_DEVICE (tests/conftest.py)
 
 
 def naive_kda(q, k, v, g, beta, initial_state=None):
@@ -35,7 +38,7 @@ def naive_kda(q, k, v, g, beta, initial_state=None):
 
 
 def random_inputs(batch, seq_len, heads, k_dim, v_dim, lower_bound=-5.0, dtype=torch.float64, seed=0):
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded_generator(seed)
     q = l2_normalize(torch.randn(batch, seq_len, heads, k_dim, generator=gen, dtype=dtype)) * k_dim**-0.5
     k = l2_normalize(torch.randn(batch, seq_len, heads, k_dim, generator=gen, dtype=dtype))
     v = torch.randn(batch, seq_len, heads, v_dim, generator=gen, dtype=dtype)
@@ -205,7 +208,7 @@ def test_kda_kernels_ignore_bf16_autocast():
 def packed_lengths(chunk: int, seed: int, longest_random: int | None = None) -> list[int]:
     """Random document lengths that include a single token, a document ending exactly on a chunk boundary and one
     filling a whole chunk, then three of up to ``longest_random`` (default two chunks) tokens."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded_generator(seed)
     first = int(torch.randint(2, chunk, (), generator=gen))
     lengths = [first, 1, chunk - (first + 1) % chunk, chunk]
     return lengths + torch.randint(1, (longest_random or 2 * chunk) + 1, (3,), generator=gen).tolist()
@@ -251,7 +254,7 @@ def test_packed_recurrent_kda_equals_the_documents_run_one_by_one_fp64():
 def test_packed_kernels_agree_on_rows_of_their_own_boundaries_and_a_start_drops_the_initial_state_fp64():
     """Two rows packed differently, starts anywhere (the first token included) and an incoming state."""
     q, k, v, g, beta = random_inputs(2, 83, 2, 4, 3, seed=9)
-    starts = torch.rand(2, 83, generator=torch.Generator().manual_seed(9)) < 0.1
+    starts = torch.rand(2, 83, generator=seeded_generator(9)) < 0.1
     starts[1, 0] = True
     initial = torch.randn(2, 2, 4, 3, dtype=torch.float64)
     out, state = chunk_kda(q, k, v, g, beta, initial, chunk_size=16, gate_lower_bound=-5.0, document_starts=starts)

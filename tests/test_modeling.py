@@ -16,8 +16,10 @@ from modeling_kimi_k3 import (
     situ_and_mul,
 )
 from kimi_k3.policies.quantile_balancing import QuantileBalancing
-from tests.conftest import tiny_config
+from tests.conftest import seeded_generator, tiny_config
 from tests.numerics import assert_as_accurate, float64_copy
+
+pytestmark = pytest.mark.device  # runs on KIMI_K3_TEST_DEVICE (tests/conftest.py)
 
 
 def build(config=None, dtype=torch.float64, **overrides):
@@ -476,7 +478,7 @@ def test_tiny_model_learns_python_docs():
     config = tiny_config(vocab_size=256, hidden_size=64)
     model = KimiK3ForCausalLM(config).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    generator = torch.Generator().manual_seed(0)
+    generator = seeded_generator(0)
     losses = []
     for _ in range(30):
         starts = torch.randint(0, len(data) - 49, (4,), generator=generator)

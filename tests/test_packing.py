@@ -15,7 +15,7 @@ from kimi_k3.attachments.seams import find_routers
 from kimi_k3.policies.quantile_balancing import QuantileBalancing
 from kimi_k3.text.tokenizer import train_bpe_tokenizer
 from modeling_kimi_k3 import CACHE_FIELD, KimiK3ForCausalLM, KimiK3ShortConvolution, positions_in_documents, upcast
-from tests.conftest import TINY_CONFIG, tiny_config
+from tests.conftest import TINY_CONFIG, seeded_generator, tiny_config
 from tests.numerics import assert_as_accurate, perturb_parameters
 from tests.test_fast_paths import HostSyncRecorder
 from tests.test_kda import packed_lengths, starts_of
@@ -51,7 +51,7 @@ def in_float64(model: KimiK3ForCausalLM, perturbation_seed: int | None = None) -
 
 
 def documents_of(lengths: list[int], seed: int = 0) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded_generator(seed)
     return [torch.randint(3, TINY_CONFIG["vocab_size"], (n,), generator=gen) for n in lengths]
 
 
