@@ -23,6 +23,7 @@ from kimi_k3.checkpoint.finite import first_non_finite
 from kimi_k3.checkpoint.release_format import check_exportable
 from kimi_k3.job import expert_load
 from kimi_k3.job.allocator import allocator_description
+from kimi_k3.job.threads import choose_intra_op_threads
 from kimi_k3.job.arguments import (
     ModelArguments,
     UsageError,
@@ -105,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint = resolve_checkpoint(training_args)
             if checkpoint is not None:
                 check_trainer_files(checkpoint, training_args, model_args.reinitialize_missing_trainer_state)
+            threads = choose_intra_op_threads()  # before data loading starts threads of its own
             set_seed(training_args.seed)  # Trainer seeds only in its constructor, after the model is initialised
             if model_args.flush_subnormals:
                 flush_subnormals_or_refuse()
@@ -132,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             announce_parallelism(trainer)
             if trainer.is_world_process_zero():
                 print(f"kimi-k3-train: {allocator_description()}")
+                print(f"kimi-k3-train: {threads}")
         except ValueError as error:
             print(f"kimi-k3-train: error: {error}", file=sys.stderr)
             return 2

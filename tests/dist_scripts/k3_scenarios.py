@@ -314,7 +314,8 @@ def main(work: Path, ns_dtype: str) -> None:
     expert_parallel = train_sharded_at_load_time(config, work, ns_dtype, expert_parallel_size=WORLD_SIZE)
     qat = qat_config(config)
     ddp_qat = train_with_trainer(
-        qat, work / "ddp_qat", ns_dtype=ns_dtype, gradient_accumulation_steps=1, model=build_qat_model(config), save_steps=None
+        qat, work / "ddp_qat", ns_dtype=ns_dtype, gradient_accumulation_steps=1, model=build_qat_model(config),
+        save_steps=None,
     )
     fsdp_qat = train_fully_sharded(qat, work / "fsdp_qat_model", ns_dtype, model=build_qat_model(config))
     if rank == 0:

@@ -94,7 +94,8 @@ def single_process(work, config, ns_dtype):
 def single_process_unclipped(work, config, ns_dtype):
     """The reference of the runs on models sharded at load time, which clip no gradient."""
     return scenarios.train_with_trainer(
-        config, work / "single_unclipped", ns_dtype=ns_dtype, gradient_accumulation_steps=2, save_steps=None, max_grad_norm=0
+        config, work / "single_unclipped", ns_dtype=ns_dtype, gradient_accumulation_steps=2, save_steps=None,
+        max_grad_norm=0,
     )
 
 
@@ -208,7 +209,8 @@ def test_ddp_trainer_matches_single_process_with_the_whole_global_batch_per_step
 
     DDP equals the accumulating single process bitwise (above), so the perturbed single process bounds it."""
     whole = scenarios.train_with_trainer(
-        config, work / "whole_batch", ns_dtype=ns_dtype, gradient_accumulation_steps=1, micro_batch=scenarios.GLOBAL_BATCH
+        config, work / "whole_batch", ns_dtype=ns_dtype, gradient_accumulation_steps=1,
+        micro_batch=scenarios.GLOBAL_BATCH,
     )
     assert_same_trajectory_up_to_rounding(whole, two_processes["ddp"], single_process_perturbed)
 
@@ -328,7 +330,8 @@ def test_two_process_checkpoint_loads_and_resumes_in_one_process(two_processes, 
 def test_qat_under_ddp_and_fsdp2_equals_single_process(two_processes, work, config, ns_dtype):
     qat = scenarios.qat_config(config)
     single = scenarios.train_with_trainer(
-        qat, work / "single_qat", ns_dtype=ns_dtype, gradient_accumulation_steps=2, model=scenarios.build_qat_model(config), save_steps=None
+        qat, work / "single_qat", ns_dtype=ns_dtype, gradient_accumulation_steps=2,
+        model=scenarios.build_qat_model(config), save_steps=None,
     )
     assert two_processes["ddp_qat"]["losses"] == single["losses"]
     assert_same_state(two_processes["ddp_qat"]["state"], single["state"])
