@@ -8,13 +8,16 @@ call `restart_under_tcmalloc` first: on Linux, when no replacement allocator is 
 user who preloaded one keeps it) and the dynamic loader can find TCMalloc, the process replaces itself (same PID, same
 arguments) with one that preloads it, as PyTorch's own CPU launcher (``python -m torch.backends.xeon.run_cpu
 --enable-tcmalloc``) does for the script it starts. ``KIMI_K3_ALLOCATOR=system`` keeps the system allocator.
-`kimi_k3.job.main.main` itself never restarts anything.
+Where torch sees an accelerator (a CUDA GPU, ...) the job trains there and nothing restarts: the allocator serves only
+the host's share of the step. `kimi_k3.job.main.main` itself never restarts anything.
 """
 
 import ctypes.util
 import os
 import sys
 from pathlib import Path
+
+import torch
 
 ALLOCATOR_VARIABLE = "KIMI_K3_ALLOCATOR"
 ALLOCATOR_CHOICES = ("tcmalloc", "system")
@@ -77,6 +80,8 @@ def restart_under_tcmalloc(program: str = "kimi-k3-train") -> None:
         raise SystemExit(2) from None
     asks_for_help = not {"-h", "--help"}.isdisjoint(sys.argv[1:])
     if choice == "system" or asks_for_help or not sys.platform.startswith("linux") or loaded_allocator() is not None:
+        return
+    if torch.accelerator.is_available():  # the step runs on the device: TCMalloc's gain was a CPU step's
         return
     if os.environ.get(RESTARTED_VARIABLE):
         print(f"{program}: warning: the dynamic loader did not preload {os.environ.get('LD_PRELOAD')!r}; running on "

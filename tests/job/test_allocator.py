@@ -114,3 +114,20 @@ def test_without_tcmalloc_the_job_says_how_to_get_it(monkeypatch):
     monkeypatch.setattr(allocator, "loaded_allocator", lambda: "/usr/lib/libtcmalloc_minimal.so.4")
     description = allocator.allocator_description()
     assert description.startswith("memory allocator: TCMalloc (/usr/lib/libtcmalloc_minimal.so.4)")
+
+
+def test_a_machine_with_an_accelerator_keeps_its_allocator(monkeypatch):
+    """TCMalloc is CPU-step machinery: where torch sees an accelerator the job trains there, and nothing restarts."""
+    restarts = []
+    monkeypatch.setattr(allocator.os, "execve", lambda *args: restarts.append(args))
+    monkeypatch.setattr(allocator.sys, "platform", "linux")
+    monkeypatch.setattr(allocator, "find_tcmalloc", lambda: "libtcmalloc_minimal.so.4")
+    monkeypatch.delenv(ALLOCATOR_VARIABLE, raising=False)
+    monkeypatch.delenv(RESTARTED_VARIABLE, raising=False)
+    monkeypatch.setattr(allocator, "loaded_allocator", lambda: None)
+    monkeypatch.setattr(allocator.torch.accelerator, "is_available", lambda: True)
+    allocator.restart_under_tcmalloc()
+    assert restarts == []
+    monkeypatch.setattr(allocator.torch.accelerator, "is_available", lambda: False)
+    allocator.restart_under_tcmalloc()
+    assert len(restarts) == 1  # the same process on a CPU-only machine restarts
