@@ -14,7 +14,7 @@ import torch
 from datasets import Dataset
 from safetensors.torch import load_file
 
-from configuration_kimi_k3 import KimiK3Config
+from configuration_kimi_k3 import TINY, KimiK3Config
 from kimi_k3.ablation import cli, report
 from kimi_k3.ablation.measure import evaluation_record
 from kimi_k3.ablation.report import difference, mean_and_std, mean_curve, paired_difference, run_machines
@@ -42,7 +42,7 @@ def run_cli(argv: list[str]) -> tuple[int, str, str]:
      "row 'no-qk-clip' cannot apply: the baseline config has no MLA (full_attention) layer"),
     (["--rows", "plain-residual", "--config_overrides", '{"attn_res_block_size": null}'],
      "row 'plain-residual' cannot apply: the baseline config has no Block Attention Residuals"),
-    (["--rows", "latent-width-d", "--config_overrides", '{"routed_expert_hidden_size": 64}'],
+    (["--rows", "latent-width-d", "--config_overrides", json.dumps({"routed_expert_hidden_size": TINY["hidden_size"]})],
      "row 'latent-width-d' cannot apply: the baseline config has no latent projection"),
     (["--seeds", "0", "0"], "--seeds must be distinct integers >= 0, got [0, 0]"),
     (["--job_args", "--no_such_option 1"], "row 'baseline': kimi-k3-train refuses its options: "),
