@@ -104,7 +104,8 @@ def merge_similar_experts(layer: nn.Module, loads: torch.Tensor, similarity_thre
         loads[kept], loads[merged] = total, -1.0
         source = int(loads.argmax())
         for weight in weights:
-            noise = torch.randn(weight[source].shape, generator=generator, dtype=torch.float64)
+            # Drawn by the CPU generator (`_generator`): the same noise wherever the experts live.
+            noise = torch.randn(weight[source].shape, generator=generator, dtype=torch.float64).to(weight.device)
             noise *= SPLIT_NOISE_SCALE * weight[source].double().std()
             weight[merged] = weight[source] + noise.to(weight.dtype)
         for tensor, dim in routing:
