@@ -529,9 +529,9 @@ class KimiK3Config(PreTrainedConfig):
             raise ValueError(f"`layer_types` entries must be one of {allowed} (KDA, MLA), got {self.layer_types}.")
         if not self.mla_layer_indices and self.use_cache:
             raise ValueError(
-                "`use_cache` must be False when no layer is MLA (`full_attention`; `linear_attn_config.full_attn_layers`"
-                " is empty): transformers' cache counts tokens in attention layers only, so a model of KDA layers "
-                "alone generates by full forwards."
+                "`use_cache` must be False when no layer is MLA (`full_attention`; "
+                "`linear_attn_config.full_attn_layers` is empty): transformers' cache counts tokens in attention "
+                "layers only, so a model of KDA layers alone generates by full forwards."
             )
 
     def validate_kda(self) -> None:
@@ -686,7 +686,8 @@ def _flat_fields_of_linear_attn_config(released, num_hidden_layers: int) -> dict
         raise StrictDataclassFieldValidationError(field="linear_attn_config", cause=error) from error
     fields = {field: released[key] for key, field in RELEASED_LINEAR_ATTN_KEYS.items() if key in released}
     full = set(layers["full_attn_layers"])
-    fields["layer_types"] = ["full_attention" if i + 1 in full else "linear_attention" for i in range(num_hidden_layers)]
+    layer_numbers = range(1, num_hidden_layers + 1)
+    fields["layer_types"] = ["full_attention" if i in full else "linear_attention" for i in layer_numbers]
     return fields
 
 
@@ -712,7 +713,8 @@ def _released_layer_lists(released, num_hidden_layers: int) -> dict[str, list]:
                              f"out of range: {bad}.")
     kda, full = set(released["kda_layers"]), set(released["full_attn_layers"])
     if kda & full:
-        raise ValueError(f"`linear_attn_config.kda_layers` and `full_attn_layers` overlap at layers {sorted(kda & full)}.")
+        raise ValueError(f"`linear_attn_config.kda_layers` and `full_attn_layers` overlap at layers "
+                         f"{sorted(kda & full)}.")
     neither = sorted(set(layer_numbers) - kda - full)
     if neither:
         raise ValueError(f"Layers {neither} are in neither `linear_attn_config.kda_layers` nor `full_attn_layers`.")

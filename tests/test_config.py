@@ -89,7 +89,8 @@ def test_a_kda_setting_given_both_flat_and_nested_must_agree():
                                                    r"gives 3\); give the setting once"):
         tiny_config(linear_attn_config={**TINY_LINEAR_ATTN_CONFIG, "num_heads": 3})
     with pytest.raises(StrictDataclassError, match=r"`layer_types`=.* contradicts `linear_attn_config`"):
-        tiny_config(layer_types=["linear_attention"] * 8 + ["full_attention"], linear_attn_config=TINY_LINEAR_ATTN_CONFIG)
+        tiny_config(layer_types=["linear_attention"] * 8 + ["full_attention"],
+                    linear_attn_config=TINY_LINEAR_ATTN_CONFIG)
     assert tiny_config(linear_num_heads=2, linear_attn_config=TINY_LINEAR_ATTN_CONFIG).linear_num_heads == 2
 
 

@@ -97,6 +97,13 @@ BORROWED_API = [
     BorrowedApi("PreTrainedConfig._attn_implementation", "selects sdpa/eager MLA attention through the attention "
                 "interface", lambda: isinstance(inspect.getattr_static(PreTrainedConfig, "_attn_implementation"),
                                                 property)),
+    BorrowedApi("PreTrainedConfig._post_init_done", "KimiK3Config checks an assignment against the other fields "
+                "(its @strict validate_* methods) once the constructor is done, which this flag marks",
+                lambda: PreTrainedConfig()._post_init_done is True
+                and "_post_init_done" not in PreTrainedConfig().to_dict()),
+    BorrowedApi("GenerationConfig._get_default_generation_params", "KimiK3Config tells a released wrapper's generation "
+                "defaults, which PreTrainedConfig drops, from the keys it keeps and logs",
+                lambda: callable(getattr(transformers.GenerationConfig, "_get_default_generation_params", None))),
     BorrowedApi("PreTrainedModel._init_weights", "K3's initialisation (KDA decay ranges, zero AttnRes queries)",
                 lambda: parameters(PreTrainedModel._init_weights) == ["self", "module"]),
     *[

@@ -68,7 +68,8 @@ class KimiK3ModelTester:
 
     def __init__(self, parent, batch_size=2, seq_length=7, is_training=True):
         self.parent, self.batch_size, self.seq_length, self.is_training = parent, batch_size, seq_length, is_training
-        self.config_kwargs = {**TINY_CONFIG, "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
+        self.config_kwargs = {**TINY_CONFIG, "num_hidden_layers": 2,
+                              "layer_types": ["linear_attention", "full_attention"],
                               "attn_res_block_size": 1, "pad_token_id": 0}
         self.vocab_size = self.config_kwargs["vocab_size"]
         self.hidden_size = self.config_kwargs["hidden_size"]
