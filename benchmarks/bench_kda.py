@@ -21,7 +21,7 @@ import torch  # noqa: E402
 from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention  # noqa: E402
 from transformers.utils import logging  # noqa: E402
 from kimi_k3.kernels.subnormals import flush_subnormals  # noqa: E402
-from modeling_kimi_k3 import chunk_kda, kda_decay_gate, l2_normalize, recurrent_kda  # noqa: E402
+from kda_kimi_k3 import chunk_kda, kda_decay_gate, l2_normalize, recurrent_kda  # noqa: E402
 
 HEAD_DIM = 128  # K3's KDA head size (the released config's `linear_attn_config`)
 GATE_LOWER_BOUND = -5.0

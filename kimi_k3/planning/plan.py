@@ -28,12 +28,12 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from checkpoint_format_kimi_k3 import MXFP4_GROUP_SIZE
+from kda_kimi_k3 import chunk_kda
 from kimi_k3.optim.muon import NS_STEPS
 from kimi_k3.optim.split_newton_schulz import ShardedPlan, Tiling
 from kimi_k3.parallel.shard_layout import Holding, holding_at, mesh_holdings
 from kimi_k3.planning.model_inventory import ParamSpec, model_inventory
 from kimi_k3.policies.quantile_balancing import QuantileBalancing
-from modeling_kimi_k3 import chunk_kda
 
 
 def default_of(function, argument: str):
