@@ -3,6 +3,7 @@ what the documents compute one by one, in every mixer, with and without a cache;
 line; statistics recorded from outside count what attention uses."""
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -14,7 +15,14 @@ from kimi_k3.policies.qk_clip import QKClip
 from kimi_k3.attachments.seams import find_routers
 from kimi_k3.policies.quantile_balancing import QuantileBalancing
 from kimi_k3.text.tokenizer import train_bpe_tokenizer
-from modeling_kimi_k3 import CACHE_FIELD, KimiK3ForCausalLM, KimiK3ShortConvolution, positions_in_documents, upcast
+from modeling_kimi_k3 import (
+    CACHE_FIELD,
+    KimiK3ForCausalLM,
+    KimiK3ShortConvolution,
+    chunk_kda,
+    positions_in_documents,
+    upcast,
+)
 from tests.conftest import TINY_CONFIG, seeded_generator, tiny_config
 from tests.numerics import assert_as_accurate, perturb_parameters
 from tests.test_fast_paths import HostSyncRecorder
@@ -32,7 +40,7 @@ MIXERS = {
     "mla-eager": (["full_attention"] * LAYERS, "eager"),
     "hybrid": (None, "sdpa"),
 }
-KDA_CHUNK = 64  # the chunk size of the model's KDA layers
+KDA_CHUNK = inspect.signature(chunk_kda).parameters["chunk_size"].default  # the chunk size of the model's KDA layers
 
 
 def build(mixers: str) -> KimiK3ForCausalLM:
