@@ -40,7 +40,7 @@ def kda_layer(dtype=torch.float64) -> tuple[KimiK3DeltaAttention, object]:
 
 
 def test_kda_layer_prefill_equals_token_by_token_recurrence_fp64():
-    """Chunked prefill (sub-chunked scores, whole chunks and a partial one) ≡ 150 cached decode steps of `recurrent_kda`."""
+    """Chunked prefill (sub-chunked scores, a partial last chunk) ≡ 150 cached decode steps of `recurrent_kda`."""
     layer, config = kda_layer()
     hidden = torch.randn(2, 150, config.hidden_size, dtype=torch.float64)
     prefill, _ = layer(hidden)
