@@ -241,3 +241,16 @@ def test_the_readme_fresh_machine_commands_are_the_ones_ci_runs():
     assert setup == test.replace("python -m pytest -q", "kimi-k3-train")
     assert test in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
     assert len(readme.splitlines()) <= 250  # an introduction; the manual is in docs/
+
+
+def test_the_benchmark_readme_is_short_and_names_every_dated_record():
+    """How to run and the current figures in benchmarks/README.md; each investigation whole in its own record, named
+    ``<date>_<topic>_<machine>.md`` and linked from the README."""
+    readme = (ROOT / "benchmarks" / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 150
+    records = sorted(path.name for path in (ROOT / "benchmarks" / "records").glob("*.md"))
+    assert records, "benchmarks/records/ holds no record"
+    misnamed = [name for name in records if not re.fullmatch(r"\d{4}-\d{2}-\d{2}_[a-z0-9_]+_[a-z0-9-]+\.md", name)]
+    assert not misnamed, f"records not named <date>_<topic>_<machine>.md: {misnamed}"
+    unlinked = [name for name in records if f"(records/{name})" not in readme]
+    assert not unlinked, f"records benchmarks/README.md does not link: {unlinked}"
