@@ -9,7 +9,11 @@
 - ``checkpoint``: the released layout's folder conversion and atomic folder writes;
 - ``parallel``, ``planning``: FSDP2 sharding helpers; per-rank memory and communication plans;
 - ``text``: training corpora and tokenizers; ``publishing``: model cards and hub uploads;
-- ``job``: the ``kimi-k3-train`` training job.
+- ``job``: the ``kimi-k3-train`` training job;
+- ``ablation``: the lab, a matrix of training jobs that each change one K3 choice (``kimi-k3-ablate``).
+
+They import one another in one direction only, the lab on top (the layers are declared once, in
+``tests/test_repository.py``).
 
 The model itself lives in the flat modules ``configuration_kimi_k3`` / ``modeling_kimi_k3`` /
 ``checkpoint_format_kimi_k3`` so that the very same files can be copied into checkpoint folders for
