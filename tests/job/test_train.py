@@ -761,14 +761,14 @@ BAD_INPUTS = {
         lambda run, tmp: ["--config_overrides", '{"hiden_size": 64}'], "no field 'hiden_size'; did you mean 'hidden_size'?"
     ),
     "string config value": (
-        lambda run, tmp: ["--config_overrides", '{"rms_norm_eps": "1e-6"}'], "`rms_norm_eps` must be a number, got '1e-6' (str)"
+        lambda run, tmp: ["--config_overrides", '{"rms_norm_eps": "1e-6"}'], "model config: Field 'rms_norm_eps' expected float, got str (value: '1e-6')"
     ),
     "--optim with Per-Head Muon": (
         lambda run, tmp: ["--optimizer", "per_head_muon", "--optim", "adafactor"],
         "--optim adafactor chooses Trainer's optimizer, which --optimizer per_head_muon replaces: pass --optimizer adamw",
     ),
     "string routed scaling factor": (
-        lambda run, tmp: ["--config_overrides", '{"routed_scaling_factor": "2.5"}'], "`routed_scaling_factor` must be a number"
+        lambda run, tmp: ["--config_overrides", '{"routed_scaling_factor": "2.5"}'], "model config: Field 'routed_scaling_factor' expected float, got str"
     ),
     "two routing variants at once": (
         lambda run, tmp: ["--config_overrides", json.dumps({**TINY_MODEL, "dynamic_experts_per_token": True,
