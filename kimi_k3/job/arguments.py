@@ -266,7 +266,7 @@ class UsageError(ValueError):
 
 
 def parse_args(argv: list[str] | None) -> tuple[ModelArguments, DataArguments, CardArguments, TrainingArguments]:
-    parser = HfArgumentParser((ModelArguments, DataArguments, CardArguments, TrainingArguments))
+    parser = HfArgumentParser((ModelArguments, DataArguments, CardArguments, TrainingArguments), prog="kimi-k3-train")
     parser.set_defaults(**TRAINING_DEFAULTS)
     # HfArgumentParser gives a boolean's `--no_*` complement the field's own help text; say what the switch does.
     complements = {
