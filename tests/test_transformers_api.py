@@ -18,6 +18,7 @@ from typing import NamedTuple
 import pytest
 import torch
 import transformers
+from packaging.version import Version
 from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel, Trainer
 
 import configuration_kimi_k3
@@ -62,6 +63,16 @@ def read_by_transformers(attribute: str) -> callable:
 
 def module_has(module: str, *names: str) -> callable:
     return lambda: all(hasattr(importlib.import_module(module), name) for name in names)
+
+
+def seam_keeps_its_body_and_filters_arguments() -> bool:
+    from transformers.integrations import use_kernel_func_from_hub_with_fallback
+
+    def body(x, document_starts=None):
+        return x, document_starts
+
+    seam = use_kernel_func_from_hub_with_fallback("kimi_k3_probe", "kimi_k3_no_such_package")(body)
+    return inspect.unwrap(seam) is body and seam(1, document_starts=2) == (1, 2)
 
 
 BORROWED_API = [
@@ -210,6 +221,15 @@ BORROWED_API = [
                 "each rank checks at the first split step that the shard it computed for itself is its own (the "
                 "offsets distributed checkpointing reads)",
                 lambda: hasattr(importlib.import_module("torch.distributed.tensor").DTensor, "__create_chunk_list__")),
+    # transformers' kernel seams: the model chooses the torch body itself where no package kernel runs.
+    BorrowedApi("use_kernel_func_from_hub_with_fallback: the torch body as __wrapped__, kwargs filtered by signature",
+                "modeling_kimi_k3.torch_body calls a seam's torch body with document_starts (packed rows without fla); "
+                "fla gets only the arguments its signature names",
+                lambda: seam_keeps_its_body_and_filters_arguments()),
+    BorrowedApi("transformers.integrations.hub_kernels._PACKAGE_SUPPORTED_DEVICES (transformers >= 5.25; tests only)",
+                "tests/test_kernel_seams.py lets its stand-in fla take CPU tensors under the decorator's device routing",
+                lambda: Version(transformers.__version__) < Version("5.25")
+                or module_has("transformers.integrations.hub_kernels", "_PACKAGE_SUPPORTED_DEVICES")()),
     # torch's CPU instruction-set queries: no public API says whether bf16 matmuls are native.
     BorrowedApi("torch.cpu._is_avx512_bf16_supported / torch.cpu._is_amx_tile_supported",
                 "bf16 Newton–Schulz only on CPUs with native bf16 (kimi_k3.optim.precision); a missing query means fp32",
