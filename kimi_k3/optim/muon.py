@@ -156,7 +156,7 @@ class PerHeadMuon(torch.optim.Optimizer):
 
     ``ns_dtype`` is the Newton–Schulz precision: ``"auto"`` (default) runs bf16 where the parameters' device
     multiplies bf16 natively (CUDA, CPUs with AVX-512-BF16 or AMX) and fp32 elsewhere, where emulated bf16 would
-    be 15-100x slower; ``"bfloat16"`` or ``"float32"`` force one.
+    be an order of magnitude slower or worse (`kimi_k3.optim.precision`); ``"bfloat16"`` or ``"float32"`` force one.
 
     Under an initialised process group of several ranks Newton–Schulz is split across the ranks
     (:mod:`kimi_k3.optim.split_newton_schulz`), with plain parameters taken as replicated, as DDP keeps them, and DTensors
