@@ -19,8 +19,10 @@ released-layout folder loads with ``trust_remote_code`` alone. It imports only t
 """
 
 import contextvars
+import json
 import os
 import re
+import stat
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
@@ -400,6 +402,74 @@ def released_config_dict(config) -> dict:
     return wrapper
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Files read from a folder
+# ---------------------------------------------------------------------------------------------------------------------
+# The most a loader reads whole from a JSON file (shard index, config, tokenizer files): safetensors' own bound on a
+# header, which the released model's index (about 30 MB) and the largest tokenizers stay far below.
+MAX_JSON_FILE_BYTES = 100_000_000
+# What `from_pretrained` opens from a local folder besides the shards its index names.
+FOLDER_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                "pytorch_model.bin", "pytorch_model.bin.index.json")  # fmt: skip
+
+
+def folder_root(folder: str | os.PathLike) -> str:
+    """The folder links may resolve into: the folder itself, or for a snapshot of the hub cache
+    (``models--x--y/snapshots/<revision>``, whose files link to ``../../blobs``) the repository's cache folder."""
+    root = os.path.realpath(folder)
+    repository = os.path.dirname(os.path.dirname(root))
+    if os.path.basename(os.path.dirname(root)) == "snapshots" and os.path.isdir(os.path.join(repository, "blobs")):
+        return repository
+    return root
+
+
+def checked_regular_file(path: str | os.PathLike, root: str | None = None, max_bytes: int | None = None) -> str:
+    """``path`` if it is a regular file (inside ``root`` once links are resolved, no larger than ``max_bytes``), else
+    one ``ValueError`` naming it. Checked before anything opens it: a FIFO blocks the reader forever, a device such as
+    ``/dev/zero`` reads until memory runs out, and a link or ``..`` out of the folder reads another file."""
+    path = str(path)
+    resolved = os.path.realpath(path)
+    if root is not None and os.path.commonpath([root, resolved]) != root:
+        raise ValueError(f"{path} resolves to {resolved}, outside {root}: a folder's files must lie inside it.")
+    try:
+        status = os.stat(resolved)
+    except OSError as error:
+        raise ValueError(f"{path} cannot be read: {error.strerror}.") from None
+    if not stat.S_ISREG(status.st_mode):
+        raise ValueError(f"{path} is not a regular file (a FIFO, device, socket or folder); refusing to read it.")
+    if max_bytes is not None and status.st_size > max_bytes:
+        raise ValueError(f"{path} holds {status.st_size:,} bytes, more than the {max_bytes:,} read whole at most.")
+    return path
+
+
+def shard_index_files(index_path: str, root: str | None = None) -> list[str]:
+    """The shard files an index (``model.safetensors.index.json``) names, each checked to be a regular file inside
+    the index's folder; a malformed index is refused naming it."""
+    checked_regular_file(index_path, root, MAX_JSON_FILE_BYTES)
+    try:
+        with open(index_path, encoding="utf-8") as file:
+            shard_names = set(json.load(file)["weight_map"].values())
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"{index_path} is not a shard index (a JSON object with a `weight_map`): {error!r}") from None
+    if not all(isinstance(name, str) for name in shard_names):
+        raise ValueError(f"{index_path}: every `weight_map` value must be a file name.")
+    folder = os.path.dirname(index_path)
+    return [checked_regular_file(os.path.join(folder, name), root) for name in sorted(shard_names)]
+
+
+def check_local_folder(folder: str | os.PathLike) -> None:
+    """Everything `from_pretrained` will open from a local folder, checked with `checked_regular_file` before
+    transformers opens any of it (transformers joins index entries to the folder as they are)."""
+    root = folder_root(folder)
+    for name in FOLDER_FILES:
+        path = os.path.join(folder, name)
+        if os.path.lexists(path):
+            if name.endswith(".index.json"):
+                shard_index_files(path, root)
+            else:
+                checked_regular_file(path, root, MAX_JSON_FILE_BYTES if name.endswith(".json") else None)
+
+
 _SAFETENSORS_DTYPE_NAMES = {
     torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.uint8: "U8",
     torch.int8: "I8", torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL",
@@ -646,6 +716,8 @@ def load_checkpoint(load: Callable, model, state_dict, checkpoint_files, load_co
     """
     strict = STRICT_LOADING.get()
     entries = None
+    for path in checkpoint_files or ():
+        checked_regular_file(path)  # a hub download or a path transformers resolved: links are the cache's own
     if state_dict is None and checkpoint_files:
         entries = read_checkpoint_headers(checkpoint_files)
     released = entries is not None and is_released_layout(entries)

@@ -13,6 +13,7 @@ and each output shard is written as soon as it is complete, so peak memory stays
 import copy
 import json
 import math
+import os
 import shutil
 import sys
 from collections.abc import Callable
@@ -36,14 +37,18 @@ from checkpoint_format_kimi_k3 import (
     RELEASE_TEXT_PREFIX,
     ROUTED_EXPERT_WEIGHT,
     CheckpointEntry,
+    check_local_folder,
+    checked_regular_file,
     checkpoint_shapes,
     dequantize_mxfp4,
+    folder_root,
     is_released_layout,
     match_checkpoint_tensors,
     quantize_mxfp4,
     read_safetensors_headers,
     released_config_dict,
     released_tensor_shapes,
+    shard_index_files,
 )
 from configuration_kimi_k3 import KimiK3Config
 from modeling_kimi_k3 import KimiK3ForCausalLM
@@ -77,7 +82,7 @@ def export_released(
     Shared-basis experts are written as the released per-expert matrices they materialise, W_e = sum_j C[e, j] B_j;
     the other variants are refused (`check_exportable`).
     """
-    source = Path(source)
+    source = _source_folder(source)
     config = KimiK3Config.from_pretrained(source)
     check_exportable(config)
     entries, read = _open_checkpoint(source)
@@ -112,7 +117,7 @@ def import_released(
     keeps its stored dtype. Vision and projector tensors are kept, and the text tensors keep their `language_model.`
     prefix, when the config has a ``vision_config`` (the vision-language model's names); else they are dropped.
     """
-    source = Path(source)
+    source = _source_folder(source)
     config = KimiK3Config.from_pretrained(source)
     entries, read = _open_checkpoint(source)
     if not _is_released(entries, config):
@@ -142,6 +147,21 @@ def _is_released(entries: dict[str, CheckpointEntry], config: KimiK3Config) -> b
     if config.vision_config is None:
         return is_released_layout(entries)
     return any(name.endswith(".weight_packed") for name in entries)
+
+
+def _source_folder(source: str | Path) -> Path:
+    """``source`` as a checkpoint folder whose files (the shards its index names included) are all regular files
+    inside it, checked before anything is read or written: a link out of it would copy another file into the
+    converted folder, a FIFO would block the reader, and a missing folder would reach the hub as a repository id."""
+    source = Path(source)
+    if not source.is_dir():
+        raise ValueError(f"{source} is not a folder; give the checkpoint folder to convert.")
+    check_local_folder(source)
+    root = folder_root(source)
+    for path in source.iterdir():
+        if not path.is_dir():
+            checked_regular_file(path, root)
+    return source
 
 
 def _publish(source: Path, target: str | Path, write: Callable[[Path], list[str]], vision: bool = False) -> list[str]:
@@ -323,12 +343,11 @@ class _ShardReader:
 
 def checkpoint_shard_files(folder: Path) -> list[str]:
     """The safetensors shards of a saved folder: those its index names, or its single ``model.safetensors``."""
-    index = folder / SAFETENSORS_INDEX_FILE
-    if index.is_file():
-        shard_names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [str(folder / shard_name) for shard_name in shard_names]
-    if (folder / SAFETENSORS_SINGLE_FILE).is_file():
-        return [str(folder / SAFETENSORS_SINGLE_FILE)]
+    index, single = folder / SAFETENSORS_INDEX_FILE, folder / SAFETENSORS_SINGLE_FILE
+    if os.path.lexists(index):
+        return shard_index_files(str(index), folder_root(folder))
+    if os.path.lexists(single):
+        return [checked_regular_file(single, folder_root(folder))]
     raise ValueError(f"{folder} holds no {SAFETENSORS_SINGLE_FILE} or {SAFETENSORS_INDEX_FILE}.")
 
 
@@ -372,12 +391,12 @@ def _absent_or_empty(folder: Path) -> Path:
 def _copy_auxiliary_files(source: Path, target: Path) -> None:
     """Tokenizer, generation config, card: everything but weights, configs and code (each layout has its own), and
     never a checkpoint's Trainer state (optimizer moments, pickles), which is named once instead."""
-    left_out = []
+    left_out, root = [], folder_root(source)
     for path in sorted(source.iterdir()):
         skipped = path.name in ("config.json", SAFETENSORS_INDEX_FILE) or path.suffix in (".safetensors", ".py")
         if any(fnmatch(path.name, pattern) for pattern in run_folder.TRAINER_STATE_PATTERNS):
             left_out.append(path.name)
-        elif path.is_file() and not skipped:
-            shutil.copy2(path, target / path.name)
+        elif not skipped and not path.is_dir():
+            shutil.copy2(checked_regular_file(path, root), target / path.name)  # checked again: it may have changed
     if left_out:
         print(f"not converted (Trainer state, not part of the model): {', '.join(left_out)}", file=sys.stderr)
