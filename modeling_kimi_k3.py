@@ -61,6 +61,13 @@ try:
     )
     from .configuration_kimi_k3 import KimiK3Config
     from .kda_kimi_k3 import chunk_kda, kda_decay_gate, l2_normalize, recurrent_kda
+    from .packing_kimi_k3 import (
+        check_continues_the_cache,
+        packed_document_starts,
+        packed_prompt_markers,
+        positions_in_documents,
+        same_document,
+    )
 except ImportError:
     from checkpoint_format_kimi_k3 import (
         STRICT_LOADING,
@@ -71,6 +78,13 @@ except ImportError:
     )
     from configuration_kimi_k3 import KimiK3Config
     from kda_kimi_k3 import chunk_kda, kda_decay_gate, l2_normalize, recurrent_kda
+    from packing_kimi_k3 import (
+        check_continues_the_cache,
+        packed_document_starts,
+        packed_prompt_markers,
+        positions_in_documents,
+        same_document,
+    )
 
 logger = logging.get_logger(__name__)
 
@@ -223,94 +237,6 @@ class KimiK3MLP(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.glu(self.gate_proj(hidden_states), self.up_proj(hidden_states)))
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Packed documents: several documents in one row, as transformers' `DataCollatorWithFlattening` and TRL's padding-free
-# packing lay them out. The model reads the boundaries once per forward; every mixer restarts at them.
-# ---------------------------------------------------------------------------------------------------------------------
-# The keys a padding-free collator adds beside `position_ids` that mark documents (`max_length_q`/`max_length_k` only
-# size flash-attention kernels, and are not needed here).
-PACKED_SEQUENCE_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
-
-
-def packed_document_starts(inputs_embeds, attention_mask, position_ids, packing: dict) -> torch.Tensor | None:
-    """[B, T] bool, True at every token that begins a document after another one in its row; None when the call
-    follows no packing convention.
-
-    A document begins wherever any given convention marks one: flash-attention's cumulative lengths over the flattened
-    batch (``cu_seq_lens_q``, ``cu_seq_lens_k``), a change of ``seq_idx``, or ``position_ids`` that do not continue
-    from the previous token. As in transformers, position ids mark documents only without a 2-D ``attention_mask``:
-    with padding they are positions, and left padding makes them restart.
-    """
-    batch_size, seq_len = inputs_embeds.shape[:2]
-    starts = [
-        _starts_from_cumulative_lengths(packing[name], batch_size, seq_len, name)
-        for name in ("cu_seq_lens_q", "cu_seq_lens_k")
-        if packing.get(name) is not None
-    ]
-    if packing.get("seq_idx") is not None:
-        document_index = _as_rows(packing["seq_idx"], batch_size, seq_len, "seq_idx")
-        starts.append(_first_column_false(document_index[:, 1:] != document_index[:, :-1]))
-    if position_ids is not None and attention_mask is None:
-        positions = _as_rows(position_ids, batch_size, seq_len, "position_ids")
-        starts.append(_first_column_false(positions[:, 1:] != positions[:, :-1] + 1))
-    if not starts:
-        return None
-    return torch.stack([marked.to(inputs_embeds.device) for marked in starts]).any(0)
-
-
-def _as_rows(values: torch.Tensor, batch_size: int, seq_len: int, name: str) -> torch.Tensor:
-    """A per-token tensor [B, T] ([1, T] broadcast over the batch, as collators of one packed row give it)."""
-    if values.ndim != 2 or values.shape[1] != seq_len or values.shape[0] not in (1, batch_size):
-        raise ValueError(
-            f"`{name}` must have shape [batch={batch_size}, seq_len={seq_len}] or [1, {seq_len}], "
-            f"got {tuple(values.shape)}."
-        )
-    return values.expand(batch_size, -1)
-
-
-def _first_column_false(later_starts: torch.Tensor) -> torch.Tensor:
-    return torch.cat([later_starts.new_zeros(later_starts.shape[0], 1), later_starts], dim=1)
-
-
-def _starts_from_cumulative_lengths(cu_seq_lens, batch_size: int, seq_len: int, name: str) -> torch.Tensor:
-    """Document starts from cumulative lengths [n + 1] over the B·T tokens of the flattened batch; a row's first
-    token is a row start, not a start after another document."""
-    total = batch_size * seq_len
-    if cu_seq_lens.ndim != 1 or cu_seq_lens.numel() < 2 or cu_seq_lens.is_floating_point():
-        raise ValueError(
-            f"`{name}` must be a 1-D integer tensor of cumulative document lengths [0, ..., {total}], "
-            f"got dtype {cu_seq_lens.dtype} and shape {tuple(cu_seq_lens.shape)}."
-        )
-    # Reading the values back waits for the device: checked on CPU only, as `input_ids` are.
-    if cu_seq_lens.device.type == "cpu" and not torch.compiler.is_compiling():
-        if cu_seq_lens[0] != 0 or cu_seq_lens[-1] != total or (cu_seq_lens.diff() < 0).any():
-            raise ValueError(
-                f"`{name}` must rise from 0 to batch x seq_len = {total} without decreasing, "
-                f"got {cu_seq_lens.tolist()}."
-            )
-    starts = torch.zeros(total + 1, dtype=torch.bool, device=cu_seq_lens.device)
-    starts = starts.index_fill(0, cu_seq_lens.long(), True)[:total].view(batch_size, seq_len)
-    return _first_column_false(starts[:, 1:])
-
-
-def positions_in_documents(document_starts: torch.Tensor) -> torch.Tensor:
-    """Each token's index [B, T] inside its document (counted from the row start for a row's first document)."""
-    index = torch.arange(document_starts.shape[1], device=document_starts.device).expand_as(document_starts)
-    return index - torch.where(document_starts, index, 0).cummax(-1).values
-
-
-def same_document(document_starts: torch.Tensor) -> Callable:
-    """transformers' mask-function form (``and_mask_function`` of the mask builders): query and key share a document.
-
-    Only for full forwards, where key index = query index (packed documents never continue a cache)."""
-    document_ids = document_starts.cumsum(-1)
-
-    def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
-        return document_ids[batch_idx, q_idx] == document_ids[batch_idx, kv_idx]
-
-    return inner_mask
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1077,7 +1003,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
         self._check_lengths(inputs_embeds, attention_mask, cache, past_length)
         document_starts = packed_document_starts(inputs_embeds, attention_mask, position_ids, kwargs)
         if document_starts is not None and past_length > 0:
-            _check_continues_the_cache(document_starts, kwargs)
+            check_continues_the_cache(document_starts, kwargs)
             document_starts = None
 
         # Positional: the cache parameter of the mask builders is named differently across transformers versions.
@@ -1161,24 +1087,6 @@ class KimiK3Model(KimiK3PreTrainedModel):
             )
 
 
-def _packing_markers(kwargs: dict, restarting_positions) -> str | None:
-    """What marks the call's rows as packed documents, for an error message; None for one sequence per row."""
-    given = [f"`{name}`" for name in PACKED_SEQUENCE_KEYS if kwargs.get(name) is not None]
-    if restarting_positions:
-        given.append("restarting `position_ids`")
-    return ", ".join(given) or None
-
-
-def _check_continues_the_cache(document_starts: torch.Tensor, packing: dict) -> None:
-    """A forward after cached tokens continues one sequence per row: packed documents are refused there."""
-    markers = _packing_markers(packing, document_starts.any())
-    if markers:
-        raise ValueError(
-            f"Packed documents ({markers}) cannot continue a cache: pack whole documents into forwards without cached "
-            "tokens."
-        )
-
-
 def _check_not_assisted(generation_mode: GenerationMode, generation_config: GenerationConfig) -> None:
     """Assisted decoding (a draft model, prompt lookup, early exit, ...) verifies several drafted tokens in one forward
     and rolls the cache back past the rejected ones. A KDA layer hands its cache the recurrent state after the last
@@ -1254,13 +1162,7 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
     def _validate_model_kwargs(self, model_kwargs: dict) -> None:
         """transformers' check of ``generate``'s model arguments, refusing packed prompts: generation decodes one
         sequence per row, and a row of packed documents would continue its last document with the others' tokens."""
-        position_ids = model_kwargs.get("position_ids")
-        restarting = (
-            isinstance(position_ids, torch.Tensor)
-            and model_kwargs.get("attention_mask") is None
-            and bool((position_ids.diff(dim=-1) != 1).any())
-        )
-        markers = _packing_markers(model_kwargs, restarting)
+        markers = packed_prompt_markers(model_kwargs)
         if markers:
             raise ValueError(
                 f"generate() got packed documents ({markers}); give each prompt its own row (padded, with an "

@@ -15,14 +15,9 @@ from kimi_k3.policies.qk_clip import QKClip
 from kimi_k3.attachments.seams import find_routers
 from kimi_k3.policies.quantile_balancing import QuantileBalancing
 from kimi_k3.text.tokenizer import train_bpe_tokenizer
-from modeling_kimi_k3 import (
-    CACHE_FIELD,
-    KimiK3ForCausalLM,
-    KimiK3ShortConvolution,
-    chunk_kda,
-    positions_in_documents,
-    upcast,
-)
+from kda_kimi_k3 import chunk_kda
+from modeling_kimi_k3 import CACHE_FIELD, KimiK3ForCausalLM, KimiK3ShortConvolution, upcast
+from packing_kimi_k3 import positions_in_documents
 from tests.conftest import TINY_CONFIG, seeded_generator, tiny_config
 from tests.numerics import assert_as_accurate, perturb_parameters
 from tests.test_fast_paths import HostSyncRecorder

@@ -21,7 +21,8 @@ LOAD_IN_FRESH_PROCESS = textwrap.dedent(
     """
     import sys
     import warnings
-    for name in ("modeling_kimi_k3", "configuration_kimi_k3", "checkpoint_format_kimi_k3", "kda_kimi_k3", "kimi_k3"):
+    for name in ("modeling_kimi_k3", "configuration_kimi_k3", "checkpoint_format_kimi_k3", "kda_kimi_k3", "packing_kimi_k3",
+                 "kimi_k3"):
         sys.modules[name] = None  # any import of the installed project now fails
     for category in (FutureWarning, DeprecationWarning):  # deprecations raised from the model files are errors
         warnings.filterwarnings("error", category=category, module=r"transformers_modules\\.")
@@ -92,6 +93,7 @@ def test_saved_folder_holds_code_config_weights_and_auto_map(saved):
         "kda_kimi_k3.py",
         "model.safetensors",
         "modeling_kimi_k3.py",
+        "packing_kimi_k3.py",
     ]
     config = json.loads((saved / "config.json").read_text())
     assert config["model_type"] == "kimi_k3"

@@ -14,7 +14,7 @@ from torch import nn
 
 from kimi_k3.attachments.handle import Attachment
 from kimi_k3.attachments.seams import decoder_stack
-from modeling_kimi_k3 import packed_document_starts
+from packing_kimi_k3 import packed_document_starts
 
 # decoder stack -> its tracker, while some attachment uses it.
 _TRACKERS: "weakref.WeakKeyDictionary[nn.Module, PaddingTracker]" = weakref.WeakKeyDictionary()
