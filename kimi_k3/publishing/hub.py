@@ -6,13 +6,17 @@ cause and the fix, in the options both commands that push share (``kimi-k3-push`
 ``TrainingArguments`` spells them).
 """
 
+import glob
 import json
+import os
+import stat
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
 from huggingface_hub import HfApi, ModelCard, constants, get_session, get_token
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, OfflineModeIsEnabled
+from huggingface_hub.utils import filter_repo_objects
 from transformers.dynamic_module_utils import get_relative_imports
 
 from kimi_k3.checkpoint import run_folder
@@ -93,6 +97,24 @@ def remote_code_files(folder: Path) -> list[str]:
     return sorted(files)
 
 
+def published_files(folder: Path) -> list[str]:
+    """The folder's files a push uploads (everything but Trainer state and hidden files), each refused in one line
+    unless it is a regular file: a link would upload its target's contents (a token, another user's file) under the
+    link's name, and a FIFO would block the upload."""
+    entries = []
+    for parent, folders, files in os.walk(folder):  # links to folders are listed, never entered
+        linked_folders = [name for name in folders if Path(parent, name).is_symlink()]
+        entries += [Path(parent, name).relative_to(folder).as_posix() for name in [*linked_folders, *files]]
+    names = list(filter_repo_objects(entries, ignore_patterns=TRAINING_STATE_PATTERNS))
+    for name in names:
+        mode = (folder / name).lstat().st_mode
+        if stat.S_ISLNK(mode):
+            raise HubError(f"{folder / name} is a symbolic link; a push uploads regular files only: copy its target")
+        if not stat.S_ISREG(mode):
+            raise HubError(f"{folder / name} is not a regular file (a FIFO, device or socket); a push uploads files")
+    return names
+
+
 def check_finite_weights(folder: Path) -> None:
     """A diverged model is never published."""
     try:
@@ -131,6 +153,7 @@ def push_folder(
     """
     folder = Path(folder)
     check_publishable(folder)
+    published_files(folder)  # refused before the repository is created
     with failures_explained(api, repo_id, timeout):
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
         if revision is not None and not revision.startswith(PULL_REQUEST_REF):
@@ -139,6 +162,7 @@ def push_folder(
             repo_id=repo_id,
             folder_path=folder,
             commit_message=commit_message,
+            allow_patterns=[glob.escape(name) for name in published_files(folder)],  # exactly the checked files
             ignore_patterns=TRAINING_STATE_PATTERNS,
             revision=revision,
             create_pr=create_pr,
