@@ -12,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from huggingface_hub.errors import StrictDataclassError
 from transformers.utils.hub import convert_file_size_to_int
 
 from kimi_k3.checkpoint.release_format import DEFAULT_MAX_SHARD_BYTES, export_released, import_released
@@ -51,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         shards = convert(args.source, args.target, max_shard_bytes=args.max_shard_size, progress=not args.no_progress)
     except (ValueError, OSError) as error:
         print(f"{PROG}: error: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
+    except StrictDataclassError as error:  # the folder's config.json: the error's cause is one line naming the field
+        print(f"{PROG}: error: {args.source}/config.json: {error.__cause__ or error}", file=sys.stderr)
         return 2
     print(f"Wrote {len(shards)} shard(s) to {args.target}")
     return 0
