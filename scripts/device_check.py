@@ -215,7 +215,8 @@ def check_step_throughput(args, device: torch.device) -> list[dict]:
         torch.manual_seed(0)
         model = build().to(device).train()
         active = active_parameters(model, model.config)
-        seconds = best_seconds(training_step(model, input_ids, device, autocast), device, repeats=2 if args.quick else 5)
+        step = training_step(model, input_ids, device, autocast)
+        seconds = best_seconds(step, device, repeats=1 if args.quick else 5, warmup=1 if args.quick else 2)
         rates[name] = batch_size * seq_len / seconds
         mfu = 6 * active * rates[name] / peak
         rows.append(row(f"step: {name}", None, f"{rates[name]:,.0f} tokens/s, MFU {100 * mfu:.2f} %",
@@ -256,7 +257,7 @@ def forward_backward(kernel: Callable, inputs: tuple[torch.Tensor, ...]) -> Call
 
 def check_kda_seam(args, device: torch.device) -> list[dict]:
     inputs = kda_inputs(args.quick, device)
-    repeats = 2 if args.quick else 5
+    repeats = 1 if args.quick else 5
     reference = torch_body(chunk_kimi_delta_attention)
     torch_seconds = best_seconds(forward_backward(reference, inputs), device, repeats)
     shape = "x".join(map(str, inputs[0].shape))
