@@ -18,6 +18,8 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+from huggingface_hub.errors import StrictDataclassError
+
 from kimi_k3.publishing import hub
 from kimi_k3.publishing.model_card import (
     card_for_folder,
@@ -94,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
     except ValueError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+    except StrictDataclassError as error:  # the folder's config.json: the error's cause is one line naming the field
+        print(f"{PROG}: error: {args.folder}/config.json: {error.__cause__ or error}", file=sys.stderr)
         return 2
     print(f"pushed {args.folder} to {pushed}")
     return 0

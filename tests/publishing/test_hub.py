@@ -223,6 +223,17 @@ def test_push_script_publishes_checkpoint_with_new_card_and_without_trainer_stat
     assert "kimi_k3" in card.data.tags and "| total |" in card.text and "## Training" not in card.text
 
 
+def test_push_script_refuses_a_config_json_the_config_refuses_in_one_line(pushed, fake_hub, tmp_path, capsys):
+    checkpoint = tmp_path / "checkpoint-2"
+    shutil.copytree(pushed[0] / "checkpoint-2", checkpoint)
+    saved = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**saved, "rms_norm_eps": "1e-6"}))
+    assert push_main([str(checkpoint), "--hub_model_id", REPO_ID]) == 2
+    assert capsys.readouterr().err == (f"kimi-k3-push: error: {checkpoint}/config.json: Field 'rms_norm_eps' expected "
+                                       "float, got str (value: '1e-6')\n")
+    assert fake_hub.calls == []
+
+
 @pytest.mark.parametrize(
     "spoil, message",
     [
