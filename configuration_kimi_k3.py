@@ -1,7 +1,10 @@
 """Configuration of the Kimi K3 text model (hybrid KDA/MLA, Block Attention Residuals, Stable LatentMoE).
 
-Field names and meanings are those of the released checkpoint's ``text_config`` (``moonshotai/Kimi-K3``), so a
-released ``config.json`` loads unchanged; the multimodal wrapper of the release is flattened to its text part.
+Field names and meanings are those of the released checkpoint's ``text_config`` (``moonshotai/Kimi-K3``), except
+the KDA settings the release nests in ``linear_attn_config``: as transformers' ``kimi_linear`` does, they are read once
+into flat ``linear_*`` fields and ``layer_types``, and written back, so a released ``config.json`` loads and saves
+unchanged. The multimodal wrapper of the release is flattened to its text part. Types are checked by ``@strict``
+(``huggingface_hub.dataclasses``), the rules between fields by the ``validate_*`` methods.
 Defaults describe a small model that trains on a CPU in minutes while keeping every K3 invariant;
 ``KimiK3Config.kimi_k3()`` gives the released 2.78T configuration.
 """
