@@ -306,9 +306,15 @@ class KimiK3Config(PreTrainedConfig):
             logger.info(f"Ignoring training switches that the training job owns now: {retired}")
         self._fill_variant_defaults()
         super().__post_init__(**kwargs)
-        self.auto_map = dict(VARIANT_AUTO_MAP if self.enabled_variants else AUTO_MAP)
+        self.auto_map = self._classes_to_load_with()
+
+    def _classes_to_load_with(self) -> dict[str, str]:
+        """The ``auto_map`` a saved folder loads through: the variants' classes for a variant, the vision-language
+        model's too with a ``vision_config``."""
+        auto_map = dict(VARIANT_AUTO_MAP if self.enabled_variants else AUTO_MAP)
         if self.vision_config is not None:
-            self.auto_map.update(VISION_AUTO_MAP)
+            auto_map.update(VISION_AUTO_MAP)
+        return auto_map
 
     def to_dict(self) -> dict:
         """``PreTrainedConfig.to_dict`` in the release's layout: the KDA fields nested in ``linear_attn_config``, the
@@ -494,7 +500,7 @@ class KimiK3Config(PreTrainedConfig):
     def update(self, config_dict: dict) -> None:
         """Set every field of ``config_dict``, then check them together: fields that only agree with each other
         (``num_experts`` and ``num_experts_per_token``) can change in one call. Nothing changes when refused."""
-        before = dict(self.__dict__)
+        before, was_variant = dict(self.__dict__), bool(self.enabled_variants)
         try:
             for name, value in config_dict.items():  # by the field's own name, which @strict checks the type of
                 super().__setattr__(self.attribute_map.get(name, name), value)
@@ -503,6 +509,8 @@ class KimiK3Config(PreTrainedConfig):
             self.__dict__.clear()
             self.__dict__.update(before)
             raise
+        if bool(self.enabled_variants) != was_variant:  # a folder saved from a variant loads with its classes
+            self.auto_map = self._classes_to_load_with()
 
     # ------------------------------------------------------------------ @strict class validators
     def validate_architecture(self) -> None:

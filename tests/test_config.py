@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 from huggingface_hub.errors import StrictDataclassError
 
-from configuration_kimi_k3 import RELEASED_LINEAR_ATTN_KEYS, TINY, VARIANT_FIELDS_OFF, KimiK3Config
+from configuration_kimi_k3 import (
+    AUTO_MAP,
+    RELEASED_LINEAR_ATTN_KEYS,
+    TINY,
+    VARIANT_AUTO_MAP,
+    VARIANT_FIELDS_OFF,
+    KimiK3Config,
+)
 from tests.conftest import ROOT, tiny_config
 from tests.golden.record_release_default import config_json
 
@@ -264,6 +271,14 @@ def test_assignments_rederive_the_layer_pattern_and_update_checks_fields_togethe
     config.save_pretrained(tmp_path / "ok")
     reloaded = KimiK3Config.from_pretrained(tmp_path / "ok")
     assert (reloaded.layer_types, reloaded.mlp_layer_types) == (config.layer_types, config.mlp_layer_types)
+
+
+def test_a_variant_switched_on_by_assignment_saves_with_the_classes_that_build_it():
+    config = tiny_config()
+    config.expert_basis_size = 2
+    assert config.auto_map == VARIANT_AUTO_MAP
+    config.expert_basis_size = None
+    assert config.auto_map == AUTO_MAP
 
 
 def test_a_field_changed_in_place_is_refused_before_config_json_is_written(tmp_path):
