@@ -1,13 +1,12 @@
 """The kernel seams of the model file (transformers' `kimi_linear` names: RMSNorm, RMSNormGated, chunk_kda,
-fused_recurrent_kda, causal_conv1d_fn) with a stand-in flash-linear-attention on a CPU.
+fused_recurrent_kda, causal_conv1d_fn) with stand-in kernel packages on a CPU.
 
-fla's Triton kernels do not run on CPU tensors, so `tests/stand_ins/fla` stands in for the package: fla 0.6's module
-path and argument names, its contract checked, a float64 delta rule inside. transformers' seams resolve their package
-when the model file is imported, so the fixture imports a fresh copy of the file with the stand-in on ``sys.path`` and
-lets CPU tensors reach it (`KERNEL_PACKAGE_DEVICE_TYPES`; under transformers >= 5.25 also the decorator's own device
-list). Then the default model runs through fla's calls, forward and backward with packed rows, forward with a cache
-(prefill, continuation, decoding), and must equal the torch path within the float64-derived tolerance of
-``tests/numerics.py``.
+fla's Triton kernels and causal-conv1d's CUDA kernel do not run on CPU tensors, so `tests/stand_ins` stands in for
+both packages: their module paths and argument names, their contracts checked, float64 inside. transformers' seams
+resolve their package when the model file is imported, so the fixture imports a fresh copy of the file with the
+stand-ins on ``sys.path``, and a test lets CPU tensors reach one (`KERNEL_PACKAGE_DEVICE_TYPES`). Then the default
+model runs through the packages' calls, forward and backward with packed rows, forward with a cache (prefill,
+continuation, decoding), and must equal the torch path within the float64-derived tolerance of ``tests/numerics.py``.
 """
 
 import importlib
@@ -36,29 +35,44 @@ def fresh_model_module(name: str, monkeypatch):
     return module
 
 
+STAND_IN_MODULES = {"fla": "fla.ops.kda", "causal_conv1d": "causal_conv1d"}
+
+
 @pytest.fixture
-def fla_installed(monkeypatch):
-    """The model file imported with the stand-in fla installed; yields the module and the stand-in's call list."""
+def packages_installed(monkeypatch):
+    """The model file imported with the stand-in fla and causal-conv1d installed; yields the module and each
+    stand-in's call list. transformers >= 5.25 routes a seam's tensors by device too, from a list it reads when the
+    seam is declared: CPU is added there, so that the model's own choice (`send_cpu_tensors_to`) decides, as it does
+    under 5.23 and 5.24."""
     monkeypatch.syspath_prepend(str(STAND_INS))
     hub_kernels = importlib.import_module("transformers.integrations.hub_kernels")
-    if hasattr(hub_kernels, "_PACKAGE_SUPPORTED_DEVICES"):  # transformers >= 5.25 routes by device itself
-        monkeypatch.setitem(hub_kernels._PACKAGE_SUPPORTED_DEVICES, "fla", ("cpu",))
+    for package in STAND_IN_MODULES if hasattr(hub_kernels, "_PACKAGE_SUPPORTED_DEVICES") else ():
+        devices = hub_kernels._PACKAGE_SUPPORTED_DEVICES.get(package, ())
+        monkeypatch.setitem(hub_kernels._PACKAGE_SUPPORTED_DEVICES, package, (*devices, "cpu"))
     try:
-        module = fresh_model_module("modeling_kimi_k3_with_fla", monkeypatch)
-        stand_in = importlib.import_module("fla.ops.kda")
-        assert stand_in.__file__.startswith(str(STAND_INS)), "a real fla is installed: the stand-in is not the one found"
-        stand_in.CALLS.clear()
-        yield module, stand_in.CALLS
+        module = fresh_model_module("modeling_kimi_k3_with_packages", monkeypatch)
+        calls = {}
+        for package, module_name in STAND_IN_MODULES.items():
+            stand_in = importlib.import_module(module_name)
+            assert stand_in.__file__.startswith(str(STAND_INS)), f"a real {package} is installed, not the stand-in"
+            stand_in.CALLS.clear()
+            calls[package] = stand_in.CALLS
+        yield module, calls
     finally:
-        for name in [name for name in sys.modules if name == "fla" or name.startswith("fla.")]:
+        for name in [name for name in sys.modules if name.split(".")[0] in STAND_IN_MODULES]:
             del sys.modules[name]
 
 
+def send_cpu_tensors_to(package: str, module, monkeypatch) -> None:
+    """The model sends CPU tensors to ``package``'s kernels (`package_kernel_runs`)."""
+    monkeypatch.setitem(module.KERNEL_PACKAGE_DEVICE_TYPES, package, ("cpu",))
+
+
 @pytest.fixture
-def fla_on_cpu(fla_installed, monkeypatch):
-    module, calls = fla_installed
-    monkeypatch.setitem(module.KERNEL_PACKAGE_DEVICE_TYPES, "fla", ("cpu",))
-    return module, calls
+def fla_on_cpu(packages_installed, monkeypatch):
+    module, calls = packages_installed
+    send_cpu_tensors_to("fla", module, monkeypatch)
+    return module, calls["fla"]
 
 
 def twin_models(module):
@@ -154,13 +168,40 @@ def test_cached_prefill_continuation_and_decoding_run_fla_with_the_cached_state(
     assert all(c["safe_gate"] and c["lower_bound"] == layer.gate_lower_bound for c in chunked)
 
 
-def test_cpu_tensors_stay_on_the_torch_bodies_while_fla_is_installed(fla_installed):
-    """Before transformers 5.25 the seam hands any tensor to an installed fla; the model keeps CPU tensors off it."""
-    module, calls = fla_installed
-    assert "fla" in module.INSTALLED_KERNEL_PACKAGES
+def test_cpu_tensors_stay_on_the_torch_bodies_while_the_packages_are_installed(packages_installed):
+    """Before transformers 5.25 a seam hands any tensor to an installed package; the model keeps CPU tensors off."""
+    module, calls = packages_installed
+    assert module.INSTALLED_KERNEL_PACKAGES == {"fla", "causal_conv1d"}
     config, torch_path, through_seams, _ = twin_models(module)
     batch = packed_batch([[7, 4]], config.vocab_size)
     with torch.no_grad():
         assert torch.equal(through_seams(**batch).logits, torch_path(**batch).logits)
-    assert calls == []
+    assert calls == {"fla": [], "causal_conv1d": []}
 
+
+
+def test_whole_rows_run_causal_conv1d_and_packed_rows_keep_their_taps_in_their_documents(packages_installed,
+                                                                                       monkeypatch):
+    module, calls = packages_installed
+    send_cpu_tensors_to("causal_conv1d", module, monkeypatch)
+    config, torch_path, through_seams, exact = twin_models(module)
+    ids = torch.randint(3, config.vocab_size, (2, 9))
+    steps = [{"input_ids": ids[:, :6]}, {"input_ids": ids[:, 6:8]}, {"input_ids": ids[:, 8:9]}]
+    logits, trusted, exact_logits = (run_with_cache(model, steps) for model in (through_seams, torch_path, exact))
+    assert_as_accurate(logits, trusted, exact_logits, what="cached steps' logits")
+    layer = kda_layers(torch_path)[0]
+    channels, context = layer.num_heads * layer.head_dim, layer.conv_kernel_size
+    # The prefill convolves its tokens, every later step the cached window (transformers' cache keeps kernel-size
+    # inputs) and its own: q, k and v in every layer.
+    widths = (6, context + 2, context + 1)
+    per_step = [(2, channels, width) for width in widths for _ in range(3 * len(kda_layers(torch_path)))]
+    assert [c["shape"] for c in calls["causal_conv1d"]] == per_step
+    assert all(c["activation"] == "silu" and c["width"] == layer.conv_kernel_size and not c["bias"]
+               for c in calls["causal_conv1d"])
+
+    calls["causal_conv1d"].clear()
+    batch = packed_batch([[5, 9, 3], [11, 6]], config.vocab_size)
+    with torch.no_grad():
+        packed, trusted, exact_packed = (model(**batch).logits for model in (through_seams, torch_path, exact))
+    assert_as_accurate(packed, trusted, exact_packed, what="packed rows' logits")
+    assert calls["causal_conv1d"] == []  # causal-conv1d's seq_idx is not used: the torch body keeps the taps apart
