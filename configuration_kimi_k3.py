@@ -536,7 +536,7 @@ class KimiK3Config(PreTrainedConfig):
     def validate_attention_layers(self) -> None:
         """Each layer is KDA or MLA; a model without MLA layers cannot use transformers' cache."""
         allowed = ("linear_attention", "full_attention")
-        if any(kind not in allowed for kind in self.layer_types):
+        if self.layer_types is None or any(kind not in allowed for kind in self.layer_types):
             raise ValueError(f"`layer_types` entries must be one of {allowed} (KDA, MLA), got {self.layer_types}.")
         if not self.mla_layer_indices and self.use_cache:
             raise ValueError(

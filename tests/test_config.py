@@ -247,6 +247,7 @@ def test_old_config_json_with_a_retired_training_switch_loads_and_drops_it(tmp_p
         ("layer_types", ["full_attention"] * 8, r"\(9\) must be equal to the number of `layer_types` \(8\)"),
         ("linear_attn_config", _linear_cfg(kda_layers=[1, 2, 3, 4, 5, 6, 7]), r"overlap at layers \[4\]"),
         ("linear_use_full_rank_gate", False, r"`linear_use_full_rank_gate` .* must be True"),
+        ("layer_types", None, r"`layer_types` entries must be one of \('linear_attention', 'full_attention'\)"),
     ],
 )
 def test_an_assignment_that_breaks_the_config_is_refused_and_undone(field, value, message):
