@@ -1,7 +1,8 @@
 """What a resumed checkpoint must hold besides the model, checked before anything is built from it.
 
 Trainer restores the optimizer and the learning-rate schedule only when both ``optimizer.pt`` and ``scheduler.pt``
-exist, and the RNG state only when ``rng_state.pth`` does; otherwise it starts them afresh with one log line at
+exist, and the RNG state only when the file of its own process count does (``rng_state.pth`` from one process,
+``rng_state_{rank}.pth`` from several; `rng_source` maps one count to another); otherwise it starts them afresh with one log line at
 info level, so the learning rate jumps back to its peak and the run silently differs from an uninterrupted one.
 Corrupt files would surface as raw torch or JSON tracebacks deep inside ``Trainer.train``.
 """
@@ -10,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import TrainerState, TrainingArguments
 from transformers.trainer import OPTIMIZER_NAME, OPTIMIZER_NAME_BIN, SCHEDULER_NAME, TRAINER_STATE_NAME
@@ -31,6 +33,56 @@ def rng_state_names(training_args: TrainingArguments) -> list[str]:
     return ["rng_state.pth"]
 
 
+def saved_rng_names(checkpoint: Path) -> list[str]:
+    """The RNG files Trainer wrote into ``checkpoint``: ``rng_state.pth`` from one process, ``rng_state_{rank}.pth``
+    for ranks 0..M-1 from M; empty if neither is complete."""
+    if (checkpoint / "rng_state.pth").is_file():
+        return ["rng_state.pth"]
+    names = []
+    while (checkpoint / f"rng_state_{len(names)}.pth").is_file():
+        names.append(f"rng_state_{len(names)}.pth")
+    return names
+
+
+def rng_source(checkpoint: Path, training_args: TrainingArguments) -> str | None:
+    """The RNG file this process restores: its own under Trainer's naming; from another process count, rank r of
+    this run takes the saved rank r mod M (the single process's file for every rank)."""
+    own = rng_state_names(training_args)[training_args.process_index]
+    if (checkpoint / own).is_file():
+        return own
+    saved = saved_rng_names(checkpoint)
+    return saved[training_args.process_index % len(saved)] if saved else None
+
+
+def inexact_rng_restore(checkpoint: Path, training_args: TrainingArguments) -> str | None:
+    """Why restoring another process count's RNG files cannot continue the run exactly, or None when it can: the
+    saved ranks' states are all equal (Trainer seeds every rank alike), so each rank of this run gets the state it
+    would have had."""
+    saved = saved_rng_names(checkpoint)
+    if not saved or len(saved) == training_args.world_size or saved == rng_state_names(training_args):
+        return None
+    with safe_globals():
+        states = [torch.load(checkpoint / name, weights_only=True) for name in saved]
+    if all(same_state(state, states[0]) for state in states[1:]):
+        return None
+    return (f"the {len(saved)} saved processes' random states differ ({', '.join(saved)}), and this run of "
+            f"{training_args.world_size} restores them by rank modulo {len(saved)}, so its random draws (dropout, "
+            "sampling) differ from an uninterrupted run's")
+
+
+def same_state(first, second) -> bool:
+    """Equality of two RNG states as Trainer saves them: nested dicts, tuples and lists of tensors, arrays, numbers."""
+    if isinstance(first, dict):
+        return isinstance(second, dict) and first.keys() == second.keys() and all(
+            same_state(first[key], second[key]) for key in first
+        )
+    if isinstance(first, (tuple, list)):
+        return isinstance(second, (tuple, list)) and len(first) == len(second) and all(map(same_state, first, second))
+    if isinstance(first, (torch.Tensor, np.ndarray)):
+        return type(first) is type(second) and first.shape == second.shape and bool((first == second).all())
+    return first == second
+
+
 def has_optimizer_state(checkpoint: Path) -> bool:
     """``optimizer.pt``, accelerate's ``optimizer.bin``, or an FSDP ``optimizer_*`` folder, as Trainer looks for."""
     if (checkpoint / OPTIMIZER_NAME).is_file() or (checkpoint / OPTIMIZER_NAME_BIN).is_file():
@@ -40,7 +92,8 @@ def has_optimizer_state(checkpoint: Path) -> bool:
 
 def missing_state_files(checkpoint: Path, training_args: TrainingArguments) -> list[str]:
     missing = [] if has_optimizer_state(checkpoint) else [OPTIMIZER_NAME]
-    missing += [name for name in (SCHEDULER_NAME, *rng_state_names(training_args)) if not (checkpoint / name).is_file()]
+    missing += [] if (checkpoint / SCHEDULER_NAME).is_file() else [SCHEDULER_NAME]
+    missing += [] if saved_rng_names(checkpoint) else rng_state_names(training_args)
     return missing
 
 
@@ -64,9 +117,12 @@ def check_trainer_files(checkpoint: str, training_args: TrainingArguments, reini
             f"({REINITIALIZE_FLAG}), so the run differs from an uninterrupted one",
             file=sys.stderr,
         )
-    for name in (SCHEDULER_NAME, *rng_state_names(training_args)):
+    for name in (SCHEDULER_NAME, *saved_rng_names(folder)):
         if (folder / name).is_file():
             check_torch_file(folder / name)
+    inexact = inexact_rng_restore(folder, training_args)
+    if inexact and training_args.process_index == 0:
+        print(f"kimi-k3-train: warning: resuming {checkpoint} cannot be exact: {inexact}", file=sys.stderr)
 
 
 def check_trainer_state(path: Path) -> None:

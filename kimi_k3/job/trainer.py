@@ -5,6 +5,7 @@ import json
 import math
 import shutil
 import sys
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from kimi_k3.checkpoint.release_format import checkpoint_shard_files
 from kimi_k3.checkpoint.finite import check_finite_files, first_non_finite
 from kimi_k3.job.health import TrainingDiverged, check_finite_gradients, non_finite_weight_message
 from kimi_k3.job.run_settings import RUN_SETTINGS_FILE, encoded
-from kimi_k3.job.resume_manifest import CheckpointFileError, first_line, rng_state_names
+from kimi_k3.job.resume_manifest import CheckpointFileError, first_line, rng_source, rng_state_names
 from kimi_k3.parallel.sharding import load_full_state_dict
 from kimi_k3.policies.callback import report_after_every_callback
 
@@ -132,8 +133,17 @@ class KimiK3Trainer(Trainer):
             super()._load_optimizer_and_scheduler(checkpoint)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
-        with failure_names_file(checkpoint, rng_state_names(self.args)[self.args.process_index]):
-            super()._load_rng_state(checkpoint)
+        """Trainer's restore, also from a checkpoint of another process count (`rng_source`): Trainer only looks
+        for its own count's file name, so the mapped file is handed to it under that name."""
+        own = rng_state_names(self.args)[self.args.process_index]
+        source = rng_source(Path(checkpoint), self.args) if checkpoint is not None else None
+        with failure_names_file(checkpoint, source or own):
+            if source is None or source == own:
+                super()._load_rng_state(checkpoint)
+                return
+            with tempfile.TemporaryDirectory() as renamed:
+                shutil.copyfile(Path(checkpoint) / source, Path(renamed) / own)
+                super()._load_rng_state(renamed)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """Refuse a checkpoint that does not hold exactly the model's tensors (`from_pretrained`'s own check): Trainer
