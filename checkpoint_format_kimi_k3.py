@@ -411,6 +411,8 @@ MAX_JSON_FILE_BYTES = 100_000_000
 # What `from_pretrained` opens from a local folder besides the shards its index names.
 FOLDER_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
                 "pytorch_model.bin", "pytorch_model.bin.index.json")  # fmt: skip
+# What `AutoTokenizer.from_pretrained` reads whole from a folder, besides any ``tokenizer*`` file.
+TOKENIZER_FILES = ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 
 
 def folder_root(folder: str | os.PathLike) -> str:

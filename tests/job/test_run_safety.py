@@ -163,12 +163,40 @@ def test_generate_refuses_a_missing_path_without_asking_the_hub(tmp_path, monkey
     assert last_error(capsys).endswith(f"error: no such folder: {name} (a local path is never looked up on the hub)")
 
 
-def test_generate_reads_owner_slash_name_as_a_hub_id_only_when_owner_is_no_local_folder(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", ["outptus/kimi-k3-small", "kimi-k3-smal"])
+def test_generate_asks_the_hub_only_with_from_hub_so_a_mistyped_path_never_runs_a_repos_code(
+    tmp_path, monkeypatch, capsys, name
+):
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "outputs" / "kimi-k3-small").mkdir(parents=True)
     script = generate_script()
-    assert script.missing_local_path("someone/kimi-k3") is None
-    (tmp_path / "someone").mkdir()
-    assert script.missing_local_path("someone/kimi-k3") is not None
+    monkeypatch.setattr(script, "load", lambda *args: pytest.fail("the hub was asked"))
+    with pytest.raises(SystemExit) as exit_info:
+        script.main([name, "--trust_remote_code"])
+    assert exit_info.value.code == 2
+    assert last_error(capsys).endswith(
+        f"error: no such folder: {name}; to load the hub repository of that name, pass --from_hub"
+    )
+    assert script.missing_local_path(name, from_hub=True) is None
+
+
+def test_generate_refuses_a_fifo_tokenizer_or_a_linked_weight_in_one_line_before_reading(trained, tmp_path, capsys):
+    script = generate_script()
+    folder = tmp_path / "model"
+    shutil.copytree(trained[0] / "model", folder)
+    (folder / "tokenizer.json").unlink()
+    os.mkfifo(folder / "tokenizer.json")
+    with pytest.raises(SystemExit):
+        script.main([str(folder), "--trust_remote_code"])
+    assert last_error(capsys).endswith(f"error: {folder / 'tokenizer.json'} is not a regular file (a FIFO, device, "
+                                       "socket or folder); refusing to read it.")
+    (folder / "tokenizer.json").unlink()
+    shutil.copy(trained[0] / "model" / "tokenizer.json", folder / "tokenizer.json")
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors").symlink_to(trained[0] / "model" / "model.safetensors")
+    with pytest.raises(SystemExit):
+        script.main([str(folder), "--trust_remote_code"])
+    assert f"{folder / 'model.safetensors'} resolves to" in last_error(capsys)
 
 
 def test_generate_runs_the_folders_code_only_with_trust_remote_code(trained, capsys):
