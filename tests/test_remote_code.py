@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 import modeling_kimi_k3
+from kimi_k3.checkpoint.auto_classes import register_auto_classes
 from kimi_k3.checkpoint.release_format import export_released
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from tests.conftest import HANG_CEILING_S, tiny_config
@@ -130,7 +131,7 @@ def test_trust_remote_code_false_fails_with_transformers_message(saved):
 
 
 def test_registered_auto_classes_load_without_remote_code(saved):
-    modeling_kimi_k3.register_auto_classes()
+    register_auto_classes()
     config = AutoConfig.from_pretrained(saved)
     assert type(config).__module__ == "configuration_kimi_k3"
     model = AutoModelForCausalLM.from_pretrained(saved)

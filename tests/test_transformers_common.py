@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from configuration_kimi_k3 import RELEASED_LINEAR_ATTN_KEYS, KimiK3Config
-import modeling_kimi_k3
+from kimi_k3.checkpoint.auto_classes import register_auto_classes
 from modeling_kimi_k3 import (
     KimiK3ForCausalLM,
     KimiK3ForSequenceClassification,
@@ -108,7 +108,7 @@ def registered_with_auto_classes():
     with ExitStack() as stack:
         for mapping in mappings:
             stack.enter_context(mock.patch.dict(mapping._extra_content))
-        modeling_kimi_k3.register_auto_classes()
+        register_auto_classes()
         yield
 
 
