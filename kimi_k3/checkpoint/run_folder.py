@@ -10,6 +10,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import resource
 import shutil
 import socket
@@ -165,6 +166,26 @@ def check_writable(folder: str | Path) -> None:
         raise FolderNotWritableError(f"--output_dir {folder}: cannot write in {existing} ({reason})") from None
     os.close(fd)
     os.unlink(probe)
+
+
+# A job's folders that its saves replace or delete whole: the final model and the rotated checkpoints.
+REPLACED_FOLDER = re.compile(r"model|checkpoint-\d+")
+
+
+def check_not_nested(folder: str | Path) -> None:
+    """Refuse an output folder inside another job's ``model/`` or ``checkpoint-N/``: that job's final save replaces
+    its ``model/`` and its checkpoint rotation deletes old checkpoints, and with them this job's files. Such a folder
+    is recognised by the job's lock beside it (a running job) or by what a saved one holds."""
+    folder = Path(os.path.realpath(folder))
+    for part in (folder, *folder.parents):
+        if not REPLACED_FOLDER.fullmatch(part.name):
+            continue
+        saved = any((part / name).is_file() for name in ("config.json", "trainer_state.json"))
+        if saved or (part.parent / LOCK_NAME).exists():
+            raise FolderNotWritableError(
+                f"--output_dir {folder} lies inside {part}, which the job writing {part.parent} replaces or deletes "
+                "on its next save; choose a folder outside it"
+            )
 
 
 # ---------------------------------------------------------------------------------------------------------------------

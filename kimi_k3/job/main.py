@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             check_options(model_args, data_args, training_args)
             qk_clip_tau = parse_qk_clip_tau(model_args.qk_clip_tau)
             run_folder.check_writable(training_args.output_dir)
+            run_folder.check_not_nested(training_args.output_dir)
             publish = publish_settings(training_args)
             metadata = card_settings(card_args, model_args, data_args)
             lock = claim_output_folder(training_args)

@@ -229,6 +229,24 @@ def test_job_refuses_a_missing_model_or_tokenizer_path_without_asking_the_hub(tr
     )
 
 
+@pytest.mark.parametrize("inside", ["model/mine", "model", "checkpoint-4/mine", "running/checkpoint-8/mine"])
+def test_output_dir_inside_another_jobs_model_or_checkpoint_is_refused_before_anything_is_written(
+    trained, tmp_path, capsys, inside
+):
+    jobs = tmp_path / "jobs"
+    shutil.copytree(trained[0], jobs, ignore=shutil.ignore_patterns(run_folder.LOCK_NAME))
+    (jobs / "running").mkdir()
+    (jobs / "running" / run_folder.LOCK_NAME).write_text("{}")  # a job that has not saved yet
+    before = sorted(jobs.rglob("*"))
+    assert train.main(tiny_args(jobs / inside, trained[1])) == 2
+    enclosing = (jobs / inside).parent if inside.endswith("mine") else jobs / inside
+    assert last_error(capsys) == (
+        f"kimi-k3-train: error: --output_dir {jobs / inside} lies inside {enclosing}, which the job writing "
+        f"{enclosing.parent} replaces or deletes on its next save; choose a folder outside it"
+    )
+    assert sorted(jobs.rglob("*")) == before
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # No file is written through a planted link
 # ---------------------------------------------------------------------------------------------------------------------
