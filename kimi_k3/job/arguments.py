@@ -15,7 +15,7 @@ from transformers import HfArgumentParser, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 from configuration_kimi_k3 import KimiK3Config
-from kimi_k3.optim.precision import PRECISION_CHOICES
+from kimi_k3.optim.precision import PRECISION_CHOICES, accelerator_has_native_bf16
 from kimi_k3.policies.expert_merging import check_merging_arguments
 from kimi_k3.policies.qk_clip import check_tau
 from kimi_k3.publishing import hub
@@ -54,6 +54,9 @@ TRAINING_DEFAULTS = {
     "save_total_limit": 2,
     "seed": 0,
     "report_to": "none",
+    # bf16 autocast on an accelerator that multiplies bf16 natively (CUDA from Ampere on); CPUs train in fp32 unless
+    # given --bf16 True (docs/training-performance.md, "Precision").
+    "bf16": accelerator_has_native_bf16(),
     # Pinned host memory only speeds up copies to an accelerator; without one torch warns at every data loader.
     "dataloader_pin_memory": torch.accelerator.is_available(),
     # On CPUs, several threads make some reductions run in a different order each time, so identical runs (and a

@@ -37,6 +37,13 @@ def has_fast_bf16_matmul(device: torch.device | str) -> bool:
     return True  # other accelerators (XPU, HPU, ...) have bf16 matrix units
 
 
+def accelerator_has_native_bf16() -> bool:
+    """Whether this machine has an accelerator (where ``Trainer`` trains without ``--use_cpu``) that multiplies bf16
+    natively: the job's bf16 autocast default."""
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    return accelerator is not None and has_fast_bf16_matmul(accelerator)
+
+
 def matmul_dtype(choice: str | torch.dtype, device: torch.device | str) -> torch.dtype:
     """The dtype for project-chosen low-precision matmuls: ``"auto"`` is bf16 where native, else fp32."""
     if isinstance(choice, torch.dtype):

@@ -100,3 +100,13 @@ def test_bf16_autocast_on_a_cpu_without_native_bf16_warns_once(monkeypatch, capl
     assert len(warnings) == 1 and "Drop --bf16" in warnings[0]
     pretend_cpu(monkeypatch, "AVX512", avx512_bf16=True)
     assert not precision.warn_if_bf16_is_emulated(True, "cpu")
+
+
+def test_the_job_autocasts_to_bf16_by_default_only_on_an_accelerator_with_native_bf16(monkeypatch):
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: None)
+    assert not precision.accelerator_has_native_bf16()  # a CPU-only machine: fp32 unless --bf16 True
+    monkeypatch.setattr(torch.accelerator, "current_accelerator",
+                        lambda check_available=False: torch.device("cuda"))
+    for native in (True, False):  # Ampere on; Volta and Turing emulate bf16
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, native=native: native)
+        assert precision.accelerator_has_native_bf16() is native
