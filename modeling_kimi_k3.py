@@ -477,16 +477,8 @@ class KimiK3DeltaAttention(KeepsFloat32Tensors):
 # ---------------------------------------------------------------------------------------------------------------------
 # Gated MLA (DeepSeek-V2 §2.1, K3 report §2.1.2 Eq. 7)
 # ---------------------------------------------------------------------------------------------------------------------
-def eager_attention_forward(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **kwargs):
     """Reference attention: scores in the working dtype, softmax in fp32, as transformers' eager attention."""
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
     if attention_mask is not None:
@@ -1054,11 +1046,9 @@ class KimiK3Model(KimiK3PreTrainedModel):
 
 
 def _check_not_assisted(generation_mode: GenerationMode, generation_config: GenerationConfig) -> None:
-    """Assisted decoding (a draft model, prompt lookup, early exit, ...) verifies several drafted tokens in one forward
-    and rolls the cache back past the rejected ones. A KDA layer hands its cache the recurrent state after the last
-    token only, so no rollback can restore it: transformers 5.25 would crop to a wrong state and decode other tokens
-    than greedy decoding (earlier releases refused stateful models), so every release is refused here. A K3 model
-    drafting for another one (``is_assistant``) is rolled back the same way."""
+    """Assisted decoding (a draft model, prompt lookup, early exit; or drafting as ``is_assistant``) rolls the cache
+    back past rejected draft tokens, but a KDA layer keeps only the recurrent state after the last token: transformers
+    5.25 would crop to a wrong state and decode other tokens than greedy (earlier releases refuse stateful models)."""
     if generation_mode == GenerationMode.ASSISTED_GENERATION or getattr(generation_config, "is_assistant", False):
         raise ValueError(
             "Kimi K3 does not support assisted decoding (`assistant_model`, `prompt_lookup_num_tokens`, "
