@@ -1,0 +1,61 @@
+"""``kimi-k3-train --image_text_dataset``: the vision-language job on the embedded shapes, offline, and its
+refusals in one line."""
+
+import json
+
+import torch
+
+from kimi_k3.checkpoint.convert import main as convert_main
+from kimi_k3.job import vision
+from modeling_kimi_k3_vision import KimiK3ForConditionalGeneration
+from tests.checkpoint.test_release_format import MXFP4_SHAPES
+from tests.job.test_train import TINY_MODEL
+
+
+def tiny_job(output_dir, *extra: str) -> list[str]:
+    return [
+        "--image_text_dataset", "shapes", "--shapes_num_images", "40", "--output_dir", str(output_dir),
+        "--config_overrides", json.dumps(TINY_MODEL), "--tokenizer_vocab_size", "300",
+        "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "8", "--learning_rate", "1e-2",
+        "--warmup_steps", "0", "--max_steps", "12", "--eval_steps", "12", "--save_steps", "12", "--logging_steps", "1",
+        "--disable_tqdm", "True", *extra,
+    ]  # fmt: skip
+
+
+def test_vl_job_on_the_shapes_lowers_the_loss_and_saves_a_loadable_folder(tmp_path, capsys):
+    assert vision.main(tiny_job(tmp_path / "out")) == 0
+    report = capsys.readouterr().out.strip().splitlines()[-1]
+    first, last = (float(value) for value in report.split("training loss ")[1].split(",")[0].split(" -> "))
+    assert last < 0.7 * first, report
+    folder = tmp_path / "out" / "final_model"
+    model = KimiK3ForConditionalGeneration.from_pretrained(folder)
+    processor = vision.build_processor(vision.VisionArguments(model_name_or_path=str(folder)), None)
+    image = vision.shapes_dataset(1, seed=5)[0]["image"]
+    inputs = processor(images=[image], text=["<|media_pad|> a"])
+    with torch.no_grad():
+        assert torch.isfinite(model(**inputs).logits).all()
+
+
+def test_vl_job_refuses_bad_input_in_one_line(tmp_path, capsys):
+    for extra, message in (
+        (["--vision_train_parts", "tower"], "--vision_train_parts 'tower'; allowed"),
+        (["--optimizer", "sgd"], "--optimizer 'sgd'; allowed: per_head_muon, adamw"),
+        (["--text_column", "caption"], "has no column 'caption'"),
+    ):
+        assert vision.main(tiny_job(tmp_path / "bad", *extra)) == 2
+        error = capsys.readouterr().err.strip()
+        assert error.startswith("kimi-k3-train: error: ") and message in error and "\n" not in error, error
+
+
+def test_vl_job_fine_tunes_a_released_layout_folder_with_the_tower_frozen(tmp_path, capsys):
+    mxfp4_widths = json.dumps({**TINY_MODEL, **MXFP4_SHAPES})  # the released experts are MXFP4: 32-wide groups
+    assert vision.main(tiny_job(tmp_path / "first", "--max_steps", "2", "--config_overrides", mxfp4_widths)) == 0
+    released = tmp_path / "released"
+    convert_main(["to-release", str(tmp_path / "first" / "final_model"), str(released), "--no_progress"])
+    tower = KimiK3ForConditionalGeneration.from_pretrained(released).vision_tower.state_dict()
+    argv = tiny_job(tmp_path / "second", "--max_steps", "2", "--model_name_or_path", str(released),
+                    "--vision_train_parts", "projector_and_language_model")
+    assert vision.main(argv) == 0
+    assert "frozen tensors" in capsys.readouterr().out
+    tuned = KimiK3ForConditionalGeneration.from_pretrained(tmp_path / "second" / "final_model").vision_tower.state_dict()
+    assert all(torch.equal(tuned[name], tower[name]) for name in tower)
