@@ -13,9 +13,8 @@ released-layout folder loads with ``trust_remote_code`` alone. It imports only t
 - **Released layout** (the Kimi-K3 checkpoint on the Hugging Face Hub): a multimodal wrapper ``config.json`` whose
   text part is ``text_config``, text tensors under ``language_model.``, routed experts as MXFP4 ``weight_packed`` /
   ``weight_scale`` pairs, KDA ``A_log`` zero-padded to head_dim. Loading checks every tensor first
-  (`match_checkpoint_tensors`), then reads through load-only transforms (`released_layout_transforms`).
-- **Published folders**: `hub_model_card` is the card ``model.push_to_hub`` uploads in place of transformers' generic
-  template: the Kimi K3 card of the folder the model was loaded from, else a short one with the hub metadata.
+  (`match_checkpoint_tensors`), then reads through load-only transforms (`released_layout_transforms`); writing
+  that layout is the training package's (``kimi_k3.checkpoint.release_format``).
 """
 
 import contextvars
@@ -34,11 +33,6 @@ from safetensors import SafetensorError, safe_open
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import Concatenate, ConversionOps, MergeModulelist, PrefixChange, WeightConverter
 from transformers.utils import logging
-
-try:
-    from .configuration_kimi_k3 import AUTO_MAP, VISION_AUTO_MAP
-except ImportError:
-    from configuration_kimi_k3 import AUTO_MAP, VISION_AUTO_MAP
 
 logger = logging.get_logger(__name__)
 
@@ -302,40 +296,6 @@ STRICT_LOADING = contextvars.ContextVar("kimi_k3_strict_loading", default=True)
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 # E8M0 scales from this byte on can decode to infinity in fp32/bf16: 6 · 2^(253 − 127) = 1.5 · 2^128; 255 is NaN.
 _FIRST_OVERFLOWING_SCALE = 253
-# The release's `quantization_config` (inside `text_config`): only routed experts are packed.
-RELEASED_QUANTIZATION_CONFIG = {
-    "quant_method": "compressed-tensors",
-    "format": "mxfp4-pack-quantized",
-    "quantization_status": "compressed",
-    "config_groups": {
-        "group_0": {
-            "format": "mxfp4-pack-quantized",
-            "targets": ["Linear"],
-            "weights": {
-                "num_bits": 4,
-                "type": "float",
-                "symmetric": True,
-                "strategy": "group",
-                "group_size": MXFP4_GROUP_SIZE,
-                "scale_dtype": "torch.uint8",
-                "dynamic": False,
-                "observer": "minmax",
-            },
-            "input_activations": None,
-            "output_activations": None,
-        }
-    },
-    "ignore": [
-        "re:.*self_attn.*",
-        "re:.*shared_experts.*",
-        r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
-        "re:.*lm_head.*",
-        "re:.*vision_tower.*",
-        "re:.*mm_projector.*",
-    ],
-}
-
-
 class NarrowToHeads(ConversionOps):
     """The released ``A_log`` is zero-padded to head_dim; the model keeps its [num_heads] head.
 
@@ -372,34 +332,6 @@ def released_tensor_shapes(name: str, shape: tuple[int, ...], config) -> dict[st
     if name.endswith(".A_log"):
         return {key: (max(shape[0], config.linear_head_dim),)}  # zero-padded, never truncated
     return {key: shape}
-
-
-def released_config_dict(config) -> dict:
-    """The release's multimodal wrapper ``config.json`` around ``config`` as its ``text_config``, beside its
-    ``vision_config`` and the token ids the wrapper repeats from it, where the model sees."""
-    text_config = config.to_dict()
-    vision_config = text_config.pop("vision_config", None)
-    for local in ("auto_map", "layer_types", "mlp_layer_types", "_name_or_path"):  # ours, derived or machine-local
-        text_config.pop(local, None)
-    text_config.update(
-        model_type="kimi_linear",
-        architectures=["KimiLinearForCausalLM"],
-        quantization_config=RELEASED_QUANTIZATION_CONFIG,
-    )
-    shared = ("bos_token_id", "eos_token_id", "pad_token_id", "dtype", "tie_word_embeddings", "transformers_version")
-    wrapper = {
-        "architectures": ["KimiK3ForConditionalGeneration"],
-        "model_type": "kimi_k3",
-        # Our code, shipped beside the weights, reads this layout: the folder loads with trust_remote_code.
-        "auto_map": dict(AUTO_MAP),
-        **{key: text_config[key] for key in shared if key in text_config},
-        "text_config": text_config,
-    }
-    if vision_config is not None:
-        wrapper["auto_map"].update(VISION_AUTO_MAP)
-        wrapper.update({key: vision_config[key] for key in ("media_placeholder_token_id", "ignore_index")})
-        wrapper["vision_config"] = vision_config
-    return wrapper
 
 
 # ---------------------------------------------------------------------------------------------------------------------

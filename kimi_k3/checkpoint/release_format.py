@@ -33,6 +33,7 @@ from transformers.dynamic_module_utils import custom_object_save
 
 from checkpoint_format_kimi_k3 import (
     EXPERT_LAYOUT,
+    MXFP4_GROUP_SIZE,
     RELEASE_MULTIMODAL_PREFIXES,
     RELEASE_TEXT_PREFIX,
     ROUTED_EXPERT_WEIGHT,
@@ -46,11 +47,10 @@ from checkpoint_format_kimi_k3 import (
     match_checkpoint_tensors,
     quantize_mxfp4,
     read_safetensors_headers,
-    released_config_dict,
     released_tensor_shapes,
     shard_index_files,
 )
-from configuration_kimi_k3 import KimiK3Config
+from configuration_kimi_k3 import AUTO_MAP, VISION_AUTO_MAP, KimiK3Config
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from modeling_kimi_k3_vision import KimiK3ForConditionalGeneration, KimiK3PatchMergerProjector, KimiK3VisionTower
 from processing_kimi_k3 import KimiK3Processor
@@ -70,6 +70,66 @@ _SAFETENSORS_DTYPES = {
     "U8": torch.uint8,
 }
 
+# The release's `quantization_config` (inside `text_config`): only routed experts are packed.
+RELEASED_QUANTIZATION_CONFIG = {
+    "quant_method": "compressed-tensors",
+    "format": "mxfp4-pack-quantized",
+    "quantization_status": "compressed",
+    "config_groups": {
+        "group_0": {
+            "format": "mxfp4-pack-quantized",
+            "targets": ["Linear"],
+            "weights": {
+                "num_bits": 4,
+                "type": "float",
+                "symmetric": True,
+                "strategy": "group",
+                "group_size": MXFP4_GROUP_SIZE,
+                "scale_dtype": "torch.uint8",
+                "dynamic": False,
+                "observer": "minmax",
+            },
+            "input_activations": None,
+            "output_activations": None,
+        }
+    },
+    "ignore": [
+        "re:.*self_attn.*",
+        "re:.*shared_experts.*",
+        r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+        "re:.*lm_head.*",
+        "re:.*vision_tower.*",
+        "re:.*mm_projector.*",
+    ],
+}
+
+
+def released_config_dict(config) -> dict:
+    """The release's multimodal wrapper ``config.json`` around ``config`` as its ``text_config``, beside its
+    ``vision_config`` and the token ids the wrapper repeats from it, where the model sees."""
+    text_config = config.to_dict()
+    vision_config = text_config.pop("vision_config", None)
+    for local in ("auto_map", "layer_types", "mlp_layer_types", "_name_or_path"):  # ours, derived or machine-local
+        text_config.pop(local, None)
+    text_config.update(
+        model_type="kimi_linear",
+        architectures=["KimiLinearForCausalLM"],
+        quantization_config=RELEASED_QUANTIZATION_CONFIG,
+    )
+    shared = ("bos_token_id", "eos_token_id", "pad_token_id", "dtype", "tie_word_embeddings", "transformers_version")
+    wrapper = {
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "model_type": "kimi_k3",
+        # Our code, shipped beside the weights, reads this layout: the folder loads with trust_remote_code.
+        "auto_map": dict(AUTO_MAP),
+        **{key: text_config[key] for key in shared if key in text_config},
+        "text_config": text_config,
+    }
+    if vision_config is not None:
+        wrapper["auto_map"].update(VISION_AUTO_MAP)
+        wrapper.update({key: vision_config[key] for key in ("media_placeholder_token_id", "ignore_index")})
+        wrapper["vision_config"] = vision_config
+    return wrapper
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The two directions

@@ -21,10 +21,9 @@ from checkpoint_format_kimi_k3 import (
     checkpoint_shapes,
     dequantize_mxfp4,
     quantize_mxfp4,
-    released_config_dict,
     released_tensor_shapes,
 )
-from kimi_k3.checkpoint.release_format import export_released, import_released
+from kimi_k3.checkpoint.release_format import export_released, import_released, released_config_dict
 from modeling_kimi_k3 import KimiK3Experts, KimiK3ForCausalLM
 from kimi_k3.checkpoint.convert import main as convert_main
 from tests.conftest import HANG_CEILING_S, tiny_config
