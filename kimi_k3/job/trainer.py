@@ -20,7 +20,7 @@ from kimi_k3.checkpoint import run_folder
 from kimi_k3.checkpoint.release_format import checkpoint_shard_files
 from kimi_k3.checkpoint.finite import check_finite_files, first_non_finite
 from kimi_k3.job.health import TrainingDiverged, check_finite_gradients, non_finite_weight_message
-from kimi_k3.job.run_settings import RUN_SETTINGS_FILE, encoded
+from kimi_k3.job.run_settings import RUN_SETTINGS_FILE, compared_config, encoded
 from kimi_k3.job.resume_manifest import CheckpointFileError, first_line, rng_source, rng_state_names
 from kimi_k3.parallel.sharding import load_full_state_dict
 from kimi_k3.policies.callback import report_after_every_callback
@@ -110,8 +110,9 @@ class KimiK3Trainer(Trainer):
             raise TrainingDiverged(non_finite_weight_message(*found, checkpoint_name))
 
     def _write_run_settings(self, checkpoint: Path) -> None:
-        if self.run_settings is not None:
-            run_folder.write_new_file(checkpoint / RUN_SETTINGS_FILE, encoded(self.run_settings))
+        if self.run_settings is not None:  # the config as saved beside it: a policy may have changed it since
+            settings = {**self.run_settings, "config": compared_config(self.model.config)}
+            run_folder.write_new_file(checkpoint / RUN_SETTINGS_FILE, encoded(settings))
 
     def _publish_checkpoint(self, staged: Path, target: Path) -> None:
         best = self.state.best_model_checkpoint

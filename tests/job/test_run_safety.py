@@ -2,6 +2,7 @@
 through no planted link, a resume restores everything or says why not, and sizes are bounded before allocation."""
 
 import errno
+import hashlib
 import importlib.util
 import json
 import math
@@ -19,9 +20,11 @@ from transformers import TrainerCallback
 
 from kimi_k3.checkpoint import run_folder
 from kimi_k3.job import main as train
+from kimi_k3.job.run_settings import check_unchanged
 from kimi_k3.job.trainer import save_failure
 from kimi_k3.publishing import hub
 from kimi_k3.publishing.model_card import TrainingSummary, render_model_card
+from configuration_kimi_k3 import KimiK3Config
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from tests.conftest import HANG_CEILING_S, TINY_CONFIG
 from tests.job.test_train import REPO, TINY_MODEL, run_main, tiny_args, trained, weights  # noqa: F401 (fixture)
@@ -394,7 +397,41 @@ def test_resume_with_a_changed_data_file_is_refused(trained, tmp_path, capsys):
 def test_checkpoints_record_the_run_settings_that_a_resume_compares(trained):
     settings = json.loads((trained[0] / "checkpoint-8" / "run_settings.json").read_text())
     assert settings["learning_rate"] == 0.01 and settings["block_size"] == 32 and settings["seed"] == 0
-    assert settings["data_files"] == {str(trained[1]): trained[1].stat().st_size}
+    assert settings["data_files"] == {str(trained[1]): "sha256:" + hashlib.sha256(trained[1].read_bytes()).hexdigest()}
+    assert settings["bf16"] is False and settings["label_smoothing_factor"] == 0.0
+    assert settings["config"]["num_experts"] == TINY_MODEL["num_experts"]
+
+
+def test_resume_refuses_a_same_size_data_edit_added_precision_and_loss_options_and_an_edited_config(
+    trained, tmp_path, capsys
+):
+    run = shutil.copytree(trained[0], tmp_path / "run")
+    corpus = shutil.copy(trained[1], tmp_path / "corpus.txt")
+    settings_path = run / "checkpoint-8" / "run_settings.json"
+    settings = json.loads(settings_path.read_text())
+    settings_path.write_text(json.dumps({**settings, "data_files": {str(corpus): settings["data_files"][str(trained[1])]}}))
+    text = corpus.read_text()
+    corpus.write_text(text[:-1] + ("x" if text[-1] != "x" else "y"))  # same size, other content
+    config_path = run / "checkpoint-8" / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "routed_scaling_factor": 3.5}))
+    before = sorted(run.rglob("*"))
+    changed = ["--bf16", "True", "--label_smoothing_factor", "0.1", "--use_cpu", "True"]
+    assert train.main(tiny_args(run, corpus, *RESUME, *changed)) == 2
+    message = last_error(capsys)
+    assert f'--data_files {{"{corpus}": "sha256:' in message
+    assert "--bf16 true (the run used false)" in message and "--label_smoothing_factor 0.1 (the run used 0.0)" in message
+    assert "config field routed_scaling_factor 3.5 (the run used" in message
+    assert sorted(run.rglob("*")) == before
+
+
+def test_checkpoints_that_recorded_data_sizes_and_no_config_still_resume(trained, tmp_path):
+    checkpoint = shutil.copytree(trained[0] / "checkpoint-8", tmp_path / "checkpoint-8")
+    current = json.loads((checkpoint / "run_settings.json").read_text())
+    older = {**current, "data_files": {str(trained[1]): trained[1].stat().st_size}}
+    del older["config"]
+    (checkpoint / "run_settings.json").write_text(json.dumps(older))
+    check_unchanged(str(checkpoint), current, KimiK3Config.from_pretrained(checkpoint))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -411,15 +448,16 @@ except ValueError as error:
 """
 
 
-def test_config_whose_expert_names_alone_exceed_memory_is_refused_before_building_them(trained, tmp_path):
+def test_config_whose_expert_names_cannot_match_the_checkpoint_is_refused_before_building_them(trained, tmp_path):
     folder = shutil.copytree(trained[0] / "model", tmp_path / "huge")
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "num_experts": 10**9}))
     result = subprocess.run([sys.executable, "-c", LOAD_UNDER_6_GB, str(folder)], capture_output=True, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO, timeout=HANG_CEILING_S)  # fmt: skip
     message = result.stderr.strip().splitlines()[-1]
-    assert message.startswith("Refusing the config: num_experts gives 24,000,000,234 per-expert checkpoint names")
-    assert "GiB of memory available; check num_experts in config.json" in message
+    assert message.startswith("Refusing the config: num_experts gives 24,000,000,234 per-expert checkpoint names where "
+                              "the checkpoint holds ")
+    assert message.endswith("tensors; check num_experts in config.json")
 
 
 @pytest.mark.parametrize("field", ["num_experts", "vocab_size"])
