@@ -233,6 +233,8 @@ def test_training_lowers_loss_and_reports_eval_perplexity(trained):
     assert f"first training loss {losses[0]:.4f} -> last {losses[-1]:.4f}" in printed
     assert f"eval perplexity {math.exp(evals[-1]['eval_loss']):.2f}" in printed
     assert f"kimi-k3-train: {allocator_description()}" in printed
+    threads = os.environ["OMP_NUM_THREADS"]  # tests/conftest.py's; the job's own choice is tests/job/test_threads.py's
+    assert f"kimi-k3-train: intra-op threads: {threads} (OMP_NUM_THREADS={threads})" in printed
     assert any("balance/max_vio" in entry for entry in history)
     assert sorted(path.name for path in run.iterdir()) == RUN_FOLDER
 
