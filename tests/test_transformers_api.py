@@ -154,6 +154,13 @@ BORROWED_API = [
                 lambda: parameters(GenerationMixin._validate_generation_mode)
                 == ["self", "generation_mode", "generation_config", "generation_mode_kwargs"]
                 and "self._validate_generation_mode(" in inspect.getsource(GenerationMixin.generate)),
+    # The vision-language model (modeling_kimi_k3_vision.py): its prefill grows each sequence by the image tokens.
+    BorrowedApi("GenerationMixin._update_model_kwargs_for_generation", "the vision-language model's later decoding "
+                "steps extend the merged attention mask (image tokens in place of their placeholders) that its "
+                "prefill returns, not the prompt's",
+                lambda: parameters(GenerationMixin._update_model_kwargs_for_generation)[:3]
+                == ["self", "outputs", "model_kwargs"]
+                and "self._update_model_kwargs_for_generation(" in inspect.getsource(GenerationMixin._sample)),
     # The opt-in variants (variants_kimi_k3.py) and the folders that ship them.
     BorrowedApi("transformers.integrations.moe._grouped_linear, and the experts' `_is_expert_parallel` and "
                 "`is_transposed` that use_experts_implementation sets",
