@@ -63,47 +63,16 @@ def per_expert_shapes(name: str, shape: tuple[int, ...]) -> dict[str, tuple[int,
     return {f"{stem}.{e}.{part}.weight": (rows, columns) for e in range(num_experts) for part in EXPERT_LAYOUT[leaf]}
 
 
-# Memory the strict check spends per checkpoint name: about 200 bytes per entry of a name -> shape dict (measured with
-# tracemalloc, CPython 3.11), and the check holds three such tables (shapes, expected, sources).
-NAME_TABLE_BYTES = 600
-
-
-def available_memory_bytes() -> int | None:
-    """What this process may still allocate: the least of the free memory (MemAvailable), the address-space limit
-    (``ulimit -v``) and the cgroup's limit; None where none of them can be read."""
-    limits = []
-    try:
-        with open("/proc/meminfo") as meminfo:
-            limits += [int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:")]
-    except OSError:
-        pass
-    try:
-        import resource
-
-        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-        limits += [soft] if soft != resource.RLIM_INFINITY else []
-    except (ImportError, OSError, ValueError):
-        pass
-    try:
-        with open("/sys/fs/cgroup/memory.max") as cgroup:
-            text = cgroup.read().strip()
-        limits += [int(text)] if text.isdigit() else []
-    except OSError:
-        pass
-    return min(limits) if limits else None
-
-
-def check_name_count(shapes: dict[str, tuple[int, ...]]) -> None:
-    """Refuse, before building them, per-expert names that alone would not fit in memory (a config whose
-    ``num_experts`` is absurd would otherwise exhaust it slowly)."""
+def check_name_count(shapes: dict[str, tuple[int, ...]], stored_count: int) -> None:
+    """Refuse, before building them, more per-expert checkpoint names than a checkpoint of ``stored_count`` tensors
+    can match: a valid one stores every per-expert name, so an absurd ``num_experts`` stops here instead of slowly
+    exhausting memory on names that cannot match."""
     count = sum(len(EXPERT_LAYOUT[name.rpartition(".")[2]]) * shape[0] if _is_fused_expert(name) else 1
                 for name, shape in shapes.items())
-    needed, available = count * NAME_TABLE_BYTES, available_memory_bytes()
-    if available is not None and needed > available:
+    if count > stored_count + len(shapes):
         raise ValueError(
-            f"Refusing the config: num_experts gives {count:,} per-expert checkpoint names, about "
-            f"{needed / 2**30:,.1f} GiB to check, more than the {available / 2**30:,.1f} GiB of memory available; "
-            "check num_experts in config.json"
+            f"Refusing the config: num_experts gives {count:,} per-expert checkpoint names where the checkpoint holds "
+            f"{stored_count:,} tensors; check num_experts in config.json"
         )
 
 
@@ -483,7 +452,8 @@ def checkpoint_shapes(model, stored_names=()) -> dict[str, tuple[int, ...]]:
     is_base_model = model.base_model is model
     tied = set(getattr(model, "all_tied_weights_keys", {}))  # stored once, as the tensor they are tied to
     state = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-    check_name_count(state)
+    if stored_names:
+        check_name_count(state, len(stored_names))
     shapes = {}
     for name, shape in state.items():
         if name in tied:

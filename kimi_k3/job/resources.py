@@ -1,9 +1,11 @@
 """Resource bounds checked before allocation: a model the machine cannot hold is refused in one line naming the config
 field that makes it large, instead of dying of a MemoryError (or the kernel's OOM killer) minutes later."""
 
+from pathlib import Path
+
+import psutil
 import torch
 
-from checkpoint_format_kimi_k3 import available_memory_bytes
 from configuration_kimi_k3 import KimiK3Config
 from kimi_k3.job.arguments import UsageError
 from variants_kimi_k3 import causal_lm_class
@@ -17,7 +19,7 @@ def check_model_fits_memory(config: KimiK3Config, source: str) -> None:
     tensors = [*model.named_parameters(), *model.named_buffers()]
     needed = sum(tensor.numel() * tensor.element_size() for _, tensor in tensors)
     available = available_memory_bytes()
-    if available is None or needed <= available:
+    if needed <= available:
         return
     largest = max(tensors, key=lambda item: item[1].numel())[0]
     raise UsageError(
@@ -25,6 +27,24 @@ def check_model_fits_memory(config: KimiK3Config, source: str) -> None:
         f"{available / 2**30:,.1f} GiB of memory available; its largest tensors ({largest}) grow with "
         f"{governing_field(largest)}"
     )
+
+
+def available_memory_bytes() -> int:
+    """What this process may still allocate: the least of the free memory, the address-space limit (``ulimit -v``)
+    and the cgroup's limit, which is read by hand because psutil reports the host's memory inside a container."""
+    limits = [psutil.virtual_memory().available]
+    try:
+        import resource  # Unix only
+
+        address_space = resource.getrlimit(resource.RLIMIT_AS)[0]
+        limits += [] if address_space == resource.RLIM_INFINITY else [address_space]
+    except ImportError:
+        pass
+    try:
+        cgroup_limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        cgroup_limit = ""
+    return min(limits + ([int(cgroup_limit)] if cgroup_limit.isdigit() else []))
 
 
 def governing_field(tensor_name: str) -> str:
