@@ -371,6 +371,8 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
                 f"vision_config.text_hidden_size={vision_config.text_hidden_size} must equal the language model's "
                 f"hidden_size={config.hidden_size}"
             )
+        if vision_config._attn_implementation is None:  # resolved for the model's config alone
+            vision_config._attn_implementation = config._attn_implementation
         self.vision_tower = KimiK3VisionTower(vision_config)
         self.mm_projector = KimiK3PatchMergerProjector(vision_config)
         self.language_model = KimiK3ForCausalLM(config)
