@@ -12,7 +12,6 @@ seams the modules declare (the repository's ``docs/design.md``).
 """
 
 import importlib
-import inspect
 import math
 import os
 from collections.abc import Callable
@@ -237,8 +236,9 @@ class KimiK3MLP(nn.Module):
 # Kernel seams, named as transformers' `modeling_kimi_linear.py` names them. Where a kernel package is installed and
 # runs on the tensors' device, the seam calls it: flash-linear-attention's Triton KDA (`fla.ops.kda`), Dao-AILab's
 # causal-conv1d; under `from_pretrained(..., use_kernels=True)` transformers' `kernels` integration may put a hub
-# kernel there instead. Everywhere else (CPUs first) the seam's torch body runs, and it keeps packed documents apart
-# inside the chunk structure, where transformers' own fallback refuses packed rows.
+# kernel there instead, or transformers' fallback runs the torch body. Everywhere else (CPUs first) the torch body
+# runs directly, and it keeps packed documents apart inside the chunk structure, where transformers' own fallback
+# refuses packed rows.
 # ---------------------------------------------------------------------------------------------------------------------
 # The device types each package's kernels take, as transformers 5.25 decides (ROCm tensors report "cuda").
 KERNEL_PACKAGE_DEVICE_TYPES = {"fla": ("cuda", "xpu", "mlu", "npu"), "causal_conv1d": ("cuda",)}
@@ -260,18 +260,19 @@ INSTALLED_KERNEL_PACKAGES = frozenset(
 )
 
 
-def package_kernel_runs(package: str, tensor: torch.Tensor) -> bool:
-    """Whether the seams call ``package``'s kernels for ``tensor``: installed, and on a device they run on.
+def goes_through_seams(package: str, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` goes through ``package``'s seams: it is on a device type the package's kernels run on.
 
     Decided here rather than by transformers' decorator: before 5.25 it hands tensors on any device to an installed
-    package (a CPU tensor would reach Triton), and its torch fallback refuses packed rows, which the torch bodies here
-    keep apart by themselves. A test changes `KERNEL_PACKAGE_DEVICE_TYPES` to send CPU tensors to a stand-in."""
-    return package in INSTALLED_KERNEL_PACKAGES and tensor.device.type in KERNEL_PACKAGE_DEVICE_TYPES[package]
+    package (a CPU tensor would reach Triton). A test changes `KERNEL_PACKAGE_DEVICE_TYPES` to send CPU tensors to a
+    stand-in package."""
+    return tensor.device.type in KERNEL_PACKAGE_DEVICE_TYPES[package]
 
 
-def torch_body(seam: Callable) -> Callable:
-    """The torch body of a seam: the function transformers' decorators wrap (``functools.wraps`` keeps it)."""
-    return inspect.unwrap(seam)
+def package_kernel_runs(package: str, tensor: torch.Tensor) -> bool:
+    """Whether ``package`` itself takes ``tensor``: installed, and on a device type its kernels run on. Packed rows
+    go through a seam only then (as ``cu_seqlens``); transformers' fallback would refuse them."""
+    return package in INSTALLED_KERNEL_PACKAGES and goes_through_seams(package, tensor)
 
 
 def _normalized_queries_keys(q, k, scale: float | None, use_qk_l2norm_in_kernel: bool):
@@ -282,13 +283,13 @@ def _normalized_queries_keys(q, k, scale: float | None, use_qk_l2norm_in_kernel:
     return q * (q.shape[-1] ** -0.5 if scale is None else scale), k
 
 
-@use_kernel_func_from_hub_with_fallback("chunk_kda", "fla")
-def chunk_kimi_delta_attention(
+def torch_chunk_kimi_delta_attention(
     q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
     safe_gate=False, lower_bound=None, document_starts=None,
 ):
-    """fla 0.6's ``chunk_kda`` call over `chunk_kda`: q, k [B, T, H, K], v [B, T, H, V], the log-decay g [B, T, H, K]
-    (computed, not in-kernel), beta [B, T, H], an fp32 state [B, H, K, V].
+    """The torch body of the `chunk_kimi_delta_attention` seam: fla 0.6's ``chunk_kda`` call over `chunk_kda`. q, k
+    [B, T, H, K], v [B, T, H, V], the log-decay g [B, T, H, K] (computed, not in-kernel), beta [B, T, H], an fp32
+    state [B, H, K, V].
 
     ``safe_gate`` with ``lower_bound`` is the caller's promise that g >= lower_bound (K3's gate), which lets the
     chunks use sub-chunks of scores. ``document_starts`` [B, T] is this body's own: fla keeps packed documents apart
@@ -302,14 +303,24 @@ def chunk_kimi_delta_attention(
     return output.to(v.dtype), state if output_final_state else None
 
 
-@use_kernel_func_from_hub_with_fallback("fused_recurrent_kda", "fla")
-def recurrent_kimi_delta_attention(
+def torch_recurrent_kimi_delta_attention(
     q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False
 ):
-    """fla 0.6's ``fused_recurrent_kda`` call over `recurrent_kda` (decoding: one sequence per row, never packed)."""
+    """The torch body of the `recurrent_kimi_delta_attention` seam: fla 0.6's ``fused_recurrent_kda`` call over
+    `recurrent_kda` (decoding: one sequence per row, never packed)."""
     q, k = _normalized_queries_keys(q, k, scale, use_qk_l2norm_in_kernel)
     output, state = recurrent_kda(q, k, upcast(v), upcast(g), upcast(beta), initial_state)
     return output.to(v.dtype), state if output_final_state else None
+
+
+# The seams, as transformers declares them (with `kernels` installed each is a module that `kernelize` can swap, so the
+# torch bodies above keep their own names, for the calls that must reach them).
+chunk_kimi_delta_attention = use_kernel_func_from_hub_with_fallback("chunk_kda", "fla")(
+    torch_chunk_kimi_delta_attention
+)
+recurrent_kimi_delta_attention = use_kernel_func_from_hub_with_fallback("fused_recurrent_kda", "fla")(
+    torch_recurrent_kimi_delta_attention
+)
 
 
 def kda_through_fla_packed(q, k, v, g, beta, document_starts, **arguments):
@@ -325,10 +336,9 @@ def kda_through_fla_packed(q, k, v, g, beta, document_starts, **arguments):
     return output.view(batch_size, seq_len, *output.shape[2:]), None if state is None else state[last_of_row]
 
 
-@use_kernel_func_from_hub_with_fallback("causal_conv1d_fn", "causal_conv1d")
-def causal_conv1d_fn(x, weight, bias=None, activation=None, document_positions=None):
-    """Dao-AILab causal-conv1d's ``causal_conv1d_fn`` call: the depthwise causal convolution (left zero padding) of
-    x [B, C, W] with weight [C, K], then ``activation``.
+def torch_causal_conv1d_fn(x, weight, bias=None, activation=None, document_positions=None):
+    """The torch body of the `causal_conv1d_fn` seam, Dao-AILab causal-conv1d's ``causal_conv1d_fn`` call: the
+    depthwise causal convolution (left zero padding) of x [B, C, W] with weight [C, K], then ``activation``.
 
     ``document_positions`` [B, T] is this body's own (each of the last T tokens' index inside its packed document):
     it keeps every tap inside the token's document and returns those T outputs.
@@ -340,6 +350,9 @@ def causal_conv1d_fn(x, weight, bias=None, activation=None, document_positions=N
         out = _conv_within_documents(x, weight, document_positions)
         out = out if bias is None else out + bias[:, None]
     return out if activation is None else ACT2FN[activation](out)
+
+
+causal_conv1d_fn = use_kernel_func_from_hub_with_fallback("causal_conv1d_fn", "causal_conv1d")(torch_causal_conv1d_fn)
 
 
 def _conv_within_documents(x: torch.Tensor, weight: torch.Tensor, document_positions: torch.Tensor) -> torch.Tensor:
@@ -370,9 +383,9 @@ class KimiK3ShortConvolution(KeepsFloat32Tensors, nn.Conv1d):
         seam: causal-conv1d's kernel where it runs (whole rows), its torch body otherwise.
         """
         weight = self.weight.squeeze(1)
-        if document_positions is None and package_kernel_runs("causal_conv1d", x):
+        if document_positions is None and goes_through_seams("causal_conv1d", x):
             return causal_conv1d_fn(x.to(weight.dtype), weight, activation="silu")
-        return torch_body(causal_conv1d_fn)(x, weight, activation="silu", document_positions=document_positions)
+        return torch_causal_conv1d_fn(x, weight, activation="silu", document_positions=document_positions)
 
 
 @use_kernelized_func([chunk_kimi_delta_attention, recurrent_kimi_delta_attention, causal_conv1d_fn])
@@ -457,21 +470,22 @@ class KimiK3DeltaAttention(KeepsFloat32Tensors):
     def delta_rule(self, q, k, v, g, beta, previous_state, document_starts, keep_state: bool):
         """The KDA recurrence through the seams, with K3's arguments mapped onto fla's: q and k L2-normalised in the
         kernel and q scaled by head_dim^-1/2, the computed gate with its lower bound (``safe_gate``), the cached state
-        in and out, packed documents as ``cu_seqlens``. fla's kernels where `package_kernel_runs`, else the torch
-        bodies (which reset the state at ``document_starts`` themselves)."""
-        with_fla = package_kernel_runs("fla", q)
+        in and out, packed documents as ``cu_seqlens``. On a device fla runs on (`goes_through_seams`) the seams take
+        whole rows, and packed rows where fla is installed; otherwise the torch bodies run, resetting the state at
+        ``document_starts`` themselves."""
+        through_seams = goes_through_seams("fla", q)
         arguments = {"scale": self.head_dim**-0.5, "initial_state": previous_state, "output_final_state": keep_state,
                      "use_qk_l2norm_in_kernel": True}
         if previous_state is not None and q.shape[1] == 1:
-            decode = recurrent_kimi_delta_attention if with_fla else torch_body(recurrent_kimi_delta_attention)
+            decode = recurrent_kimi_delta_attention if through_seams else torch_recurrent_kimi_delta_attention
             return decode(q, k, v, g, beta, **arguments)
         arguments.update(safe_gate=True, lower_bound=self.gate_lower_bound)
-        if not with_fla:
-            return torch_body(chunk_kimi_delta_attention)(q, k, v, g, beta, document_starts=document_starts, **arguments)
-        if document_starts is None:
+        if through_seams and document_starts is None:
             return chunk_kimi_delta_attention(q, k, v, g, beta, **arguments)
-        arguments.pop("initial_state")  # None: packed documents never continue a cache
-        return kda_through_fla_packed(q, k, v, g, beta, document_starts, **arguments)
+        if through_seams and package_kernel_runs("fla", q):
+            arguments.pop("initial_state")  # None: packed documents never continue a cache
+            return kda_through_fla_packed(q, k, v, g, beta, document_starts, **arguments)
+        return torch_chunk_kimi_delta_attention(q, k, v, g, beta, document_starts=document_starts, **arguments)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -684,6 +698,10 @@ class KimiK3TopkRouter(KeepsFloat32Tensors):
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return logits, weights * self.routed_scaling_factor, expert_indices
 
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, top_k={self.top_k}, hidden_size={self.weight.shape[1]}, "
+                f"score={self.score_function}, renormalize={self.renormalize}, scale={self.routed_scaling_factor}")
+
 
 @use_experts_implementation
 class KimiK3Experts(nn.Module):
@@ -701,6 +719,9 @@ class KimiK3Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
         self.glu = KimiK3GLUActivation(config)
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, intermediate_dim={self.intermediate_dim}"
 
     def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
         # transformers' experts backends call this with the concatenated [gate ‖ up]; it goes to the activation whole.
@@ -861,6 +882,10 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     _skip_keys_device_placement = [CACHE_FIELD]
     _supports_sdpa = True
     _supports_flash_attn = False
+    # The pseudo-queries compute as a product and a sum of their fp32 weight (`KimiK3PseudoQuery`), not as a linear
+    # layer: quantizers that swap weights for their own tensors (torchao, bitsandbytes) leave them alone. Named by
+    # parameter, which both the quantizers' skip list (a suffix) and the fp16 dtype plan (a search) match.
+    _keep_in_fp32_modules = ["self_attention_res_proj.weight", "mlp_res_proj.weight", "output_attn_res_proj.weight"]
     _keep_in_fp32_modules_strict = [
         "A_log", "dt_bias", "q_conv1d", "k_conv1d", "v_conv1d", "o_norm", "e_score_correction_bias"
     ]
