@@ -49,7 +49,7 @@ LOAD_IN_FRESH_PROCESS = textwrap.dedent(
 
 def test_fresh_process_without_the_package_reproduces_logits_with_an_image(tmp_path):
     folder = tmp_path / "model"
-    config = tiny_vl_config()
+    config = tiny_vl_config("sdpa")  # what from_pretrained picks in the fresh process
     config.vision_config.media_placeholder_token_id = 6  # the word tokenizer's <|media_pad|>
     model = randomize_(KimiK3ForConditionalGeneration(config)).eval()
     processor = KimiK3Processor(KimiK3ImageProcessor(), word_tokenizer())
