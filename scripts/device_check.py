@@ -43,7 +43,12 @@ from benchmarks.bench_e2e import kimi_linear_config  # noqa: E402
 from benchmarks.common import machine_description, markdown_table  # noqa: E402
 from configuration_kimi_k3 import KimiK3Config  # noqa: E402
 from kimi_k3.optim.precision import has_fast_bf16_matmul  # noqa: E402
-from modeling_kimi_k3 import KimiK3ForCausalLM, chunk_kimi_delta_attention, package_kernel_runs, torch_body  # noqa: E402
+from modeling_kimi_k3 import (  # noqa: E402
+    KimiK3ForCausalLM,
+    chunk_kimi_delta_attention,
+    package_kernel_runs,
+    torch_chunk_kimi_delta_attention,
+)
 
 # ~100 M parameters touched per token (416 M in all): 12 layers (KDA, KDA, KDA, MLA) x 3, 64 experts top-4 in a
 # 384-wide latent, a 32 k vocabulary.
@@ -258,7 +263,7 @@ def forward_backward(kernel: Callable, inputs: tuple[torch.Tensor, ...]) -> Call
 def check_kda_seam(args, device: torch.device) -> list[dict]:
     inputs = kda_inputs(args.quick, device)
     repeats = 1 if args.quick else 5
-    reference = torch_body(chunk_kimi_delta_attention)
+    reference = torch_chunk_kimi_delta_attention
     torch_seconds = best_seconds(forward_backward(reference, inputs), device, repeats)
     shape = "x".join(map(str, inputs[0].shape))
     rows = [row("kda: torch body fwd+bwd", None, f"{1e3 * torch_seconds:.2f} ms", f"q [{shape}]")]

@@ -65,16 +65,6 @@ def module_has(module: str, *names: str) -> callable:
     return lambda: all(hasattr(importlib.import_module(module), name) for name in names)
 
 
-def seam_keeps_its_body_and_filters_arguments() -> bool:
-    from transformers.integrations import use_kernel_func_from_hub_with_fallback
-
-    def body(x, document_starts=None):
-        return x, document_starts
-
-    seam = use_kernel_func_from_hub_with_fallback("kimi_k3_probe", "kimi_k3_no_such_package")(body)
-    return inspect.unwrap(seam) is body and seam(1, document_starts=2) == (1, 2)
-
-
 BORROWED_API = [
     # Loading hooks: no public hook lets a model check a checkpoint before reading it or add load-only key mappings.
     BorrowedApi(
@@ -228,11 +218,7 @@ BORROWED_API = [
                 "each rank checks at the first split step that the shard it computed for itself is its own (the "
                 "offsets distributed checkpointing reads)",
                 lambda: hasattr(importlib.import_module("torch.distributed.tensor").DTensor, "__create_chunk_list__")),
-    # transformers' kernel seams: the model chooses the torch body itself where no package kernel runs.
-    BorrowedApi("use_kernel_func_from_hub_with_fallback: the torch body as __wrapped__, kwargs filtered by signature",
-                "modeling_kimi_k3.torch_body calls a seam's torch body with document_starts (packed rows without fla); "
-                "fla gets only the arguments its signature names",
-                lambda: seam_keeps_its_body_and_filters_arguments()),
+    # transformers' kernel seams (tests only): transformers >= 5.25 routes a seam's tensors by device itself.
     BorrowedApi("transformers.integrations.hub_kernels._PACKAGE_SUPPORTED_DEVICES (transformers >= 5.25; tests only)",
                 "tests/test_kernel_seams.py lets its stand-in fla take CPU tensors under the decorator's device routing",
                 lambda: Version(transformers.__version__) < Version("5.25")
