@@ -229,7 +229,8 @@ def check_step_throughput(args, device: torch.device) -> list[dict]:
                         f"{'bf16 autocast' if autocast else 'fp32'}, peak {peak / 1e12:.1f} TFLOP/s ({peak_source})"))
         del model
     ratio = rates["Kimi K3"] / rates["KimiLinearForCausalLM"]
-    rows.append(row("step: K3 / KimiLinear tokens/s", None, f"{ratio:.2f}x", "same batch, same precision"))
+    detail = "same batch, same precision" + ("; --quick: one timed step each, a smoke run" if args.quick else "")
+    rows.append(row("step: K3 / KimiLinear tokens/s", None, f"{ratio:.2f}x", detail))
     return rows
 
 

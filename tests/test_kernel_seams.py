@@ -45,6 +45,8 @@ def packages_installed(monkeypatch):
     seam is declared: CPU is added there, so that the model's own choice (`send_cpu_tensors_to`) decides, as it does
     under 5.23 and 5.24."""
     monkeypatch.syspath_prepend(str(STAND_INS))
+    for name in [name for name in sys.modules if name.split(".")[0] in STAND_IN_MODULES]:
+        monkeypatch.delitem(sys.modules, name)  # a real package already imported: set aside for the test
     hub_kernels = importlib.import_module("transformers.integrations.hub_kernels")
     for package in STAND_IN_MODULES if hasattr(hub_kernels, "_PACKAGE_SUPPORTED_DEVICES") else ():
         devices = hub_kernels._PACKAGE_SUPPORTED_DEVICES.get(package, ())
@@ -54,7 +56,7 @@ def packages_installed(monkeypatch):
         calls = {}
         for package, module_name in STAND_IN_MODULES.items():
             stand_in = importlib.import_module(module_name)
-            assert stand_in.__file__.startswith(str(STAND_INS)), f"a real {package} is installed, not the stand-in"
+            assert stand_in.__file__.startswith(str(STAND_INS)), stand_in.__file__
             stand_in.CALLS.clear()
             calls[package] = stand_in.CALLS
         yield module, calls
