@@ -13,7 +13,7 @@ from kda_kimi_k3 import (
     l2_normalize,
     recurrent_kda,
 )
-from tests.conftest import seeded_generator
+from tests.conftest import TEST_DEVICE, seeded_generator
 from tests.numerics import assert_as_accurate
 
 pytestmark = pytest.mark.device  # runs on KIMI_K3_TEST_DEVICE (tests/conftest.py)
@@ -197,7 +197,7 @@ def test_kda_kernels_ignore_bf16_autocast():
     q, k, v, g, beta = random_inputs(1, 70, 2, 8, 8, dtype=torch.float32, seed=4)
     chunked, chunked_state = chunk_kda(q, k, v, g, beta, gate_lower_bound=-5.0)
     recurrent, recurrent_state = recurrent_kda(q, k, v, g, beta)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(TEST_DEVICE.type, dtype=torch.bfloat16):
         assert torch.equal(chunk_kda(q, k, v, g, beta, gate_lower_bound=-5.0)[0], chunked)
         assert torch.equal(chunk_kda(q, k, v, g, beta, gate_lower_bound=-5.0)[1], chunked_state)
         assert torch.equal(recurrent_kda(q, k, v, g, beta)[0], recurrent)

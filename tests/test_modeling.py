@@ -16,7 +16,7 @@ from modeling_kimi_k3 import (
     situ_and_mul,
 )
 from kimi_k3.policies.quantile_balancing import QuantileBalancing
-from tests.conftest import seeded_generator, tiny_config
+from tests.conftest import TEST_DEVICE, seeded_generator, tiny_config
 from tests.numerics import assert_as_accurate, float64_copy
 
 pytestmark = pytest.mark.device  # runs on KIMI_K3_TEST_DEVICE (tests/conftest.py)
@@ -152,7 +152,7 @@ def test_mla_attention_output_reaches_the_gate_in_fp32_under_bf16_autocast(imple
     x = torch.randn(2, 11, model.config.hidden_size)
     gated_inputs = []
     attn.o_proj.register_forward_pre_hook(lambda module, args: gated_inputs.append(args[0]))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(TEST_DEVICE.type, dtype=torch.bfloat16):
         out, _ = attn(x, attention_mask=causal_mask(11).float())
         queries = attn.project_queries(x)
         keys, values = attn.expand_key_values(*attn.compress_key_values(x))
