@@ -27,6 +27,7 @@ from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import can_return_tuple
 
 try:
     from .configuration_kimi_k3 import KimiK3Config
@@ -404,6 +405,7 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
         projected = self.mm_projector(self.vision_tower(pixel_values, grid_thws))
         return [features.to(self.get_input_embeddings().weight.dtype) for features in projected]
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
