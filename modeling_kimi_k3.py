@@ -46,15 +46,10 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 try:
-    from .checkpoint_format_kimi_k3 import (
-        STRICT_LOADING,
-        check_local_folder,
-        fuse_per_expert_weights,
-        load_checkpoint,
-        register_expert_layout,
-    )
+    from .checkpoint_format_kimi_k3 import fuse_per_expert_weights, register_expert_layout
     from .configuration_kimi_k3 import KimiK3Config
     from .kda_kimi_k3 import chunk_kda, kda_decay_gate, l2_normalize, recurrent_kda
+    from .loading_kimi_k3 import STRICT_LOADING, check_local_folder, load_checkpoint
     from .packing_kimi_k3 import (
         check_continues_the_cache,
         packed_document_starts,
@@ -63,15 +58,10 @@ try:
         same_document,
     )
 except ImportError:
-    from checkpoint_format_kimi_k3 import (
-        STRICT_LOADING,
-        check_local_folder,
-        fuse_per_expert_weights,
-        load_checkpoint,
-        register_expert_layout,
-    )
+    from checkpoint_format_kimi_k3 import fuse_per_expert_weights, register_expert_layout
     from configuration_kimi_k3 import KimiK3Config
     from kda_kimi_k3 import chunk_kda, kda_decay_gate, l2_normalize, recurrent_kda
+    from loading_kimi_k3 import STRICT_LOADING, check_local_folder, load_checkpoint
     from packing_kimi_k3 import (
         check_continues_the_cache,
         packed_document_starts,

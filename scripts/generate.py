@@ -16,7 +16,7 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from checkpoint_format_kimi_k3 import (
+from loading_kimi_k3 import (
     MAX_JSON_FILE_BYTES,
     TOKENIZER_FILES,
     check_local_folder,

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from checkpoint_format_kimi_k3 import checked_regular_file
 from kimi_k3.checkpoint import convert
+from loading_kimi_k3 import checked_regular_file
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from tests.conftest import tiny_config
 

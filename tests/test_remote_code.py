@@ -22,8 +22,8 @@ LOAD_IN_FRESH_PROCESS = textwrap.dedent(
     """
     import sys
     import warnings
-    for name in ("modeling_kimi_k3", "configuration_kimi_k3", "checkpoint_format_kimi_k3", "kda_kimi_k3", "packing_kimi_k3",
-                 "kimi_k3"):
+    for name in ("modeling_kimi_k3", "configuration_kimi_k3", "checkpoint_format_kimi_k3", "kda_kimi_k3", "loading_kimi_k3",
+                 "packing_kimi_k3", "kimi_k3"):
         sys.modules[name] = None  # any import of the installed project now fails
     for category in (FutureWarning, DeprecationWarning):  # deprecations raised from the model files are errors
         warnings.filterwarnings("error", category=category, module=r"transformers_modules\\.")
@@ -92,6 +92,7 @@ def test_saved_folder_holds_code_config_weights_and_auto_map(saved):
         "configuration_kimi_k3_vision.py",  # imported by the configuration, for a vision_config
         "generation_config.json",
         "kda_kimi_k3.py",
+        "loading_kimi_k3.py",
         "model.safetensors",
         "modeling_kimi_k3.py",
         "packing_kimi_k3.py",

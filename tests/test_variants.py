@@ -324,7 +324,7 @@ def imported_modules(path: Path) -> set[str]:
 
 def test_the_shipped_model_files_never_import_the_variants_which_import_them():
     shipped_files = ("modeling_kimi_k3.py", "configuration_kimi_k3.py", "checkpoint_format_kimi_k3.py", "kda_kimi_k3.py",
-                     "packing_kimi_k3.py")
+                     "loading_kimi_k3.py", "packing_kimi_k3.py")
     for shipped in shipped_files:
         imports = imported_modules(REPOSITORY / shipped)
         assert "variants_kimi_k3" not in imports and "kimi_k3" not in {name.split(".")[0] for name in imports}, shipped
@@ -346,7 +346,7 @@ def test_a_folder_saved_from_the_released_model_carries_no_variant_code(tmp_path
 LOAD_IN_FRESH_PROCESS = textwrap.dedent(
     """
     import sys
-    for name in ("modeling_kimi_k3", "configuration_kimi_k3", "checkpoint_format_kimi_k3", "kda_kimi_k3",
+    for name in ("modeling_kimi_k3", "configuration_kimi_k3", "checkpoint_format_kimi_k3", "kda_kimi_k3", "loading_kimi_k3",
                  "packing_kimi_k3", "variants_kimi_k3", "kimi_k3"):
         sys.modules[name] = None  # any import of the installed project now fails
     import torch

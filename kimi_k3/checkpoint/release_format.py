@@ -37,20 +37,22 @@ from checkpoint_format_kimi_k3 import (
     RELEASE_MULTIMODAL_PREFIXES,
     RELEASE_TEXT_PREFIX,
     ROUTED_EXPERT_WEIGHT,
+    checkpoint_shapes,
+    dequantize_mxfp4,
+    is_released_layout,
+    quantize_mxfp4,
+    released_tensor_shapes,
+)
+from configuration_kimi_k3 import AUTO_MAP, VISION_AUTO_MAP, KimiK3Config
+from loading_kimi_k3 import (
     CheckpointEntry,
     check_local_folder,
     checked_regular_file,
-    checkpoint_shapes,
-    dequantize_mxfp4,
     folder_root,
-    is_released_layout,
     match_checkpoint_tensors,
-    quantize_mxfp4,
     read_safetensors_headers,
-    released_tensor_shapes,
     shard_index_files,
 )
-from configuration_kimi_k3 import AUTO_MAP, VISION_AUTO_MAP, KimiK3Config
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from modeling_kimi_k3_vision import KimiK3ForConditionalGeneration, KimiK3PatchMergerProjector, KimiK3VisionTower
 from processing_kimi_k3 import KimiK3Processor

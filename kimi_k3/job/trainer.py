@@ -15,7 +15,6 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer import OPTIMIZER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from checkpoint_format_kimi_k3 import verify_checkpoint_files
 from kimi_k3.checkpoint import run_folder
 from kimi_k3.checkpoint.release_format import checkpoint_shard_files
 from kimi_k3.checkpoint.finite import check_finite_files, first_non_finite
@@ -24,6 +23,7 @@ from kimi_k3.job.run_settings import RUN_SETTINGS_FILE, compared_config, encoded
 from kimi_k3.job.resume_manifest import CheckpointFileError, first_line, rng_source, rng_state_names
 from kimi_k3.parallel.sharding import load_full_state_dict
 from kimi_k3.policies.callback import report_after_every_callback
+from loading_kimi_k3 import verify_checkpoint_files
 
 # Written into every checkpoint: what a resume compares its own global batch with.
 BATCH_FILE = "batch_size.json"

@@ -432,8 +432,8 @@ def test_conversion_failing_midway_removes_its_staging_folder(representable, tmp
 LOAD_CONVERTED_IN_FRESH_PROCESS = textwrap.dedent(
     """
     import sys
-    for name in ("modeling_kimi_k3", "configuration_kimi_k3", "checkpoint_format_kimi_k3", "kda_kimi_k3", "packing_kimi_k3",
-                 "kimi_k3"):
+    for name in ("modeling_kimi_k3", "configuration_kimi_k3", "checkpoint_format_kimi_k3", "kda_kimi_k3", "loading_kimi_k3",
+                 "packing_kimi_k3", "kimi_k3"):
         sys.modules[name] = None
     import torch
     from safetensors.torch import load_file
@@ -456,8 +456,8 @@ def test_converted_folders_carry_the_code_and_reload_with_trust_remote_code_in_a
 ):
     ours = tmp_path / "ours"
     assert convert_main(["from-release", str(representable.released), str(ours), "--no_progress"]) == 0
-    code = {"checkpoint_format_kimi_k3.py", "configuration_kimi_k3.py", "kda_kimi_k3.py", "modeling_kimi_k3.py",
-            "packing_kimi_k3.py"}
+    code = {"checkpoint_format_kimi_k3.py", "configuration_kimi_k3.py", "kda_kimi_k3.py", "loading_kimi_k3.py",
+            "modeling_kimi_k3.py", "packing_kimi_k3.py"}
     for folder in (representable.released, ours):
         assert code <= {path.name for path in folder.iterdir()}
     assert json.loads((representable.released / "config.json").read_text())["auto_map"] == AUTO_MAP

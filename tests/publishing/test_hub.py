@@ -38,9 +38,9 @@ from variants_kimi_k3 import KimiK3VariantForCausalLM
 REPO = Path(__file__).resolve().parents[2]
 REPO_ID = "someone/kimi-k3-tiny"
 MODEL_FILES = {
-    "README.md", "checkpoint_format_kimi_k3.py", "config.json", "configuration_kimi_k3.py", "generation_config.json",
-    "kda_kimi_k3.py", "model.safetensors", "packing_kimi_k3.py",
-    "modeling_kimi_k3.py", "tokenizer.json", "tokenizer_config.json",
+    "README.md", "checkpoint_format_kimi_k3.py", "config.json", "configuration_kimi_k3.py",
+    "configuration_kimi_k3_vision.py", "generation_config.json", "kda_kimi_k3.py", "loading_kimi_k3.py",
+    "model.safetensors", "modeling_kimi_k3.py", "packing_kimi_k3.py", "tokenizer.json", "tokenizer_config.json",
 }  # fmt: skip
 # The training job's model/ folder also holds the card's picture (a checkpoint-N folder does not).
 TRAINED_MODEL_FILES = MODEL_FILES | ({"expert_load.png"} if matplotlib_available() else set())
@@ -254,8 +254,8 @@ def test_push_refuses_unpublishable_folder_before_creating_the_repo(pushed, fake
 def test_a_variant_folder_needs_the_variants_file_its_auto_map_names(tmp_path):
     KimiK3VariantForCausalLM(tiny_config(expert_basis_size=3)).save_pretrained(tmp_path)
     (tmp_path / "tokenizer.json").write_text("{}")
-    code = {"checkpoint_format_kimi_k3.py", "configuration_kimi_k3.py", "kda_kimi_k3.py", "modeling_kimi_k3.py",
-            "packing_kimi_k3.py", "variants_kimi_k3.py"}
+    code = {"checkpoint_format_kimi_k3.py", "configuration_kimi_k3.py", "kda_kimi_k3.py", "loading_kimi_k3.py",
+            "modeling_kimi_k3.py", "packing_kimi_k3.py", "variants_kimi_k3.py"}
     assert code <= set(hub.remote_code_files(tmp_path)) == {path.name for path in tmp_path.glob("*.py")}
     hub.check_model_files(tmp_path)
     (tmp_path / "variants_kimi_k3.py").unlink()
