@@ -11,7 +11,9 @@ import numpy as np
 import torch
 from PIL import Image
 from safetensors.torch import save_file
+from transformers import AutoModelForImageTextToText
 
+from kimi_k3.checkpoint.auto_classes import register_auto_classes
 from modeling_kimi_k3_vision import KimiK3ForConditionalGeneration
 from processing_kimi_k3 import KimiK3ImageProcessor, KimiK3Processor
 from tests.conftest import HANG_CEILING_S
@@ -79,3 +81,12 @@ def test_fresh_process_without_the_package_reproduces_logits_with_an_image(tmp_p
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("ok")
+
+
+def test_registered_auto_class_loads_a_vl_folder_without_remote_code(tmp_path):
+    model = KimiK3ForConditionalGeneration(tiny_vl_config()).eval()
+    model.save_pretrained(tmp_path)
+    register_auto_classes()
+    loaded = AutoModelForImageTextToText.from_pretrained(tmp_path)
+    assert type(loaded) is KimiK3ForConditionalGeneration
+    assert all(torch.equal(tensor, model.state_dict()[name]) for name, tensor in loaded.state_dict().items())

@@ -8,6 +8,7 @@ from transformers import (
     AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
 )
@@ -19,13 +20,15 @@ from modeling_kimi_k3 import (
     KimiK3ForTokenClassification,
     KimiK3Model,
 )
+from modeling_kimi_k3_vision import KimiK3ForConditionalGeneration
 
 
 def register_auto_classes() -> None:
-    """Make ``AutoConfig`` and the Auto model classes (base, causal LM, sequence and token classification) resolve
-    ``model_type="kimi_k3"`` to the installed model files."""
+    """Make ``AutoConfig`` and the Auto model classes (base, causal LM, sequence and token classification, image-text
+    to text) resolve ``model_type="kimi_k3"`` to the installed model files."""
     AutoConfig.register(KimiK3Config.model_type, KimiK3Config, exist_ok=True)
     AutoModel.register(KimiK3Config, KimiK3Model, exist_ok=True)
     AutoModelForCausalLM.register(KimiK3Config, KimiK3ForCausalLM, exist_ok=True)
     AutoModelForSequenceClassification.register(KimiK3Config, KimiK3ForSequenceClassification, exist_ok=True)
     AutoModelForTokenClassification.register(KimiK3Config, KimiK3ForTokenClassification, exist_ok=True)
+    AutoModelForImageTextToText.register(KimiK3Config, KimiK3ForConditionalGeneration, exist_ok=True)
