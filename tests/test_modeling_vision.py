@@ -297,3 +297,13 @@ def test_cached_generation_with_images_equals_full_forwards():
             finished |= token == model.config.eos_token_id
             greedy, mask = torch.cat([greedy, token], dim=1), torch.cat([mask, torch.ones_like(token)], dim=1)
     assert torch.equal(generated, greedy)
+
+
+def test_bf16_model_casts_pixels_to_the_tower_and_features_to_the_language_model():
+    model = KimiK3ForConditionalGeneration(tiny_vl_config()).to(torch.bfloat16).eval()
+    pixel_values, grid_thws = pixels_for([(1, 4, 6)])  # fp32 pixels, as the processor returns them
+    with torch.no_grad():
+        features = model.get_image_features(pixel_values, grid_thws)
+        logits = model(input_ids=torch.tensor([[5, PLACEHOLDER, 6]]), pixel_values=pixel_values, grid_thws=grid_thws).logits
+    assert features[0].dtype == torch.bfloat16 and features[0].shape == (6, 32)
+    assert logits.shape == (1, 3 + 5, 97) and torch.isfinite(logits.float()).all()
