@@ -1,6 +1,8 @@
 """Fine-tuning the vision-language model under ``Trainer`` on the synthetic image set: the loss falls, and the parts
 left frozen keep their weights bitwise."""
 
+import math
+
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -89,3 +91,16 @@ def test_image_folder_reads_each_image_with_its_caption_file(tmp_path):
     (tmp_path / "2.png").write_bytes((tmp_path / "0.png").read_bytes())
     with pytest.raises(ValueError, match="no caption file \\(<name>.txt\\) for 2.png"):
         image_folder_dataset(tmp_path)
+
+
+def test_lora_on_the_tower_and_the_language_model_trains_only_the_adapters(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(caption_model(), LoraConfig(r=4, target_modules=["wqkv", "q_b_proj"]))
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    losses = train(model, tmp_path, steps=3)
+    after = model.state_dict()
+    changed = {name for name in after if not torch.equal(after[name], before[name])}
+    assert changed and all("lora_B" in name or "lora_A" in name for name in changed), sorted(changed)[:3]
+    assert any("vision_tower" in name for name in changed) and any("language_model" in name for name in changed)
+    assert all(math.isfinite(loss) for loss in losses)
