@@ -1,18 +1,25 @@
 """Kimi Delta Attention kernels in torch (Kimi Linear §3, K3 report §2.1): the token-by-token recurrence, used for
 decoding and as the reference, and the chunked WY form for training and prefill, equal to it up to rounding.
 
-The model file's kernel seams call these where flash-linear-attention's kernels (``fla/ops/kda``) do not run; the
-file imports only torch, so it ships beside the model file in every saved folder.
-
 Inputs are fp32: q and k already L2-normalised, q scaled. Shapes: q, k [B, T, H, Dk]; v [B, T, H, Dv];
 g [B, T, H, Dk] (log-decay, <= 0); beta [B, T, H]; state [B, H, Dk, Dv]; document_starts [B, T] (bool, True where a
 packed document begins: the state restarts from zero before that token, as if its decay were e^{-inf} = 0).
+
+After the kernels, the torch bodies of the model file's kernel seams, in fla's and causal-conv1d's call conventions: what
+runs wherever flash-linear-attention's kernels (``fla/ops/kda``) do not. The file imports only torch and transformers'
+activations, so it ships beside the model file in every saved folder.
 """
 
 import math
 
 import torch
 import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """At least fp32: the precision-critical paths run in fp32 for bf16 models and stay exact for fp64 references."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -176,3 +183,71 @@ def _chunk_kda(q, k, v, g, beta, initial_state, chunk_size: int, gate_lower_boun
     new_values = torch.stack(new_values, dim=2)
     output = (q * decay) @ torch.stack(incoming_states, dim=2) + query_key @ new_values
     return output.flatten(2, 3)[:, :, :seq_len].transpose(1, 2), state
+
+
+# The torch bodies of the model file's kernel seams, in the call conventions of fla 0.6 (`chunk_kda`,
+# `fused_recurrent_kda`) and Dao-AILab causal-conv1d (`causal_conv1d_fn`).
+def _normalized_queries_keys(q, k, scale: float | None, use_qk_l2norm_in_kernel: bool):
+    """fp32 q and k, L2-normalised when asked (fla normalises in the kernel), q times ``scale`` (default K^-1/2)."""
+    q, k = upcast(q), upcast(k)
+    if use_qk_l2norm_in_kernel:
+        q, k = l2_normalize(q), l2_normalize(k)
+    return q * (q.shape[-1] ** -0.5 if scale is None else scale), k
+
+
+def torch_chunk_kimi_delta_attention(
+    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+    safe_gate=False, lower_bound=None, document_starts=None,
+):
+    """The torch body of the `chunk_kimi_delta_attention` seam: fla 0.6's ``chunk_kda`` call over `chunk_kda`. q, k
+    [B, T, H, K], v [B, T, H, V], the log-decay g [B, T, H, K] (computed, not in-kernel), beta [B, T, H], an fp32
+    state [B, H, K, V].
+
+    ``safe_gate`` with ``lower_bound`` is the caller's promise that g >= lower_bound (K3's gate), which lets the
+    chunks use sub-chunks of scores. ``document_starts`` [B, T] is this body's own: fla keeps packed documents apart
+    by ``cu_seqlens`` over a flattened batch, which transformers' decorator refuses without fla.
+    """
+    q, k = _normalized_queries_keys(q, k, scale, use_qk_l2norm_in_kernel)
+    bound = lower_bound if safe_gate else None
+    output, state = chunk_kda(
+        q, k, upcast(v), upcast(g), upcast(beta), initial_state, gate_lower_bound=bound, document_starts=document_starts
+    )
+    return output.to(v.dtype), state if output_final_state else None
+
+
+def torch_recurrent_kimi_delta_attention(
+    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False
+):
+    """The torch body of the `recurrent_kimi_delta_attention` seam: fla 0.6's ``fused_recurrent_kda`` call over
+    `recurrent_kda` (decoding: one sequence per row, never packed)."""
+    q, k = _normalized_queries_keys(q, k, scale, use_qk_l2norm_in_kernel)
+    output, state = recurrent_kda(q, k, upcast(v), upcast(g), upcast(beta), initial_state)
+    return output.to(v.dtype), state if output_final_state else None
+
+
+def torch_causal_conv1d_fn(x, weight, bias=None, activation=None, document_positions=None):
+    """The torch body of the `causal_conv1d_fn` seam, Dao-AILab causal-conv1d's ``causal_conv1d_fn`` call: the
+    depthwise causal convolution (left zero padding) of x [B, C, W] with weight [C, K], then ``activation``.
+
+    ``document_positions`` [B, T] is this body's own (each of the last T tokens' index inside its packed document):
+    it keeps every tap inside the token's document and returns those T outputs.
+    """
+    x = F.pad(x.to(weight.dtype), (weight.shape[-1] - 1, 0))
+    if document_positions is None:
+        out = F.conv1d(x, weight.unsqueeze(1), bias, groups=x.shape[1])
+    else:
+        out = _conv_within_documents(x, weight, document_positions)
+        out = out if bias is None else out + bias[:, None]
+    return out if activation is None else ACT2FN[activation](out)
+
+
+def _conv_within_documents(x: torch.Tensor, weight: torch.Tensor, document_positions: torch.Tensor) -> torch.Tensor:
+    """The sums of ``conv1d`` tap by tap, Σ_j w[K−1−j] · x[t−j] · [position_t ≥ j]: tap j reads j tokens back, and is
+    kept only where that stays inside the token's document."""
+    kernel_size, seq_len, width = weight.shape[-1], document_positions.shape[1], x.shape[-1]
+
+    def tap(lag: int) -> torch.Tensor:
+        inside = (document_positions >= lag)[:, None].to(x.dtype)
+        return weight[:, kernel_size - 1 - lag, None] * x[..., width - lag - seq_len : width - lag] * inside
+
+    return sum(tap(lag) for lag in range(kernel_size))

@@ -48,7 +48,13 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 try:
     from .checkpoint_format_kimi_k3 import fuse_per_expert_weights, register_expert_layout
     from .configuration_kimi_k3 import KimiK3Config
-    from .kda_kimi_k3 import chunk_kda, kda_decay_gate, l2_normalize, recurrent_kda
+    from .kda_kimi_k3 import (
+        kda_decay_gate,
+        torch_causal_conv1d_fn,
+        torch_chunk_kimi_delta_attention,
+        torch_recurrent_kimi_delta_attention,
+        upcast,
+    )
     from .loading_kimi_k3 import STRICT_LOADING, check_local_folder, load_checkpoint
     from .packing_kimi_k3 import (
         check_continues_the_cache,
@@ -60,7 +66,13 @@ try:
 except ImportError:
     from checkpoint_format_kimi_k3 import fuse_per_expert_weights, register_expert_layout
     from configuration_kimi_k3 import KimiK3Config
-    from kda_kimi_k3 import chunk_kda, kda_decay_gate, l2_normalize, recurrent_kda
+    from kda_kimi_k3 import (
+        kda_decay_gate,
+        torch_causal_conv1d_fn,
+        torch_chunk_kimi_delta_attention,
+        torch_recurrent_kimi_delta_attention,
+        upcast,
+    )
     from loading_kimi_k3 import STRICT_LOADING, check_local_folder, load_checkpoint
     from packing_kimi_k3 import (
         check_continues_the_cache,
@@ -96,11 +108,6 @@ def take_cache_argument(cache: Cache | None, kwargs: dict) -> Cache | None:
 # ---------------------------------------------------------------------------------------------------------------------
 # Norms and activations (K3 report §2.3.2)
 # ---------------------------------------------------------------------------------------------------------------------
-def upcast(x: torch.Tensor) -> torch.Tensor:
-    """At least fp32: the precision-critical paths run in fp32 for bf16 models and stay exact for fp64 references."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
 class KeepsFloat32Tensors(nn.Module):
     """Base of modules whose ``float32_tensors`` stay fp32 when the model is cast to 16 bits.
 
@@ -266,44 +273,6 @@ def package_kernel_runs(package: str, tensor: torch.Tensor) -> bool:
     return package in INSTALLED_KERNEL_PACKAGES and goes_through_seams(package, tensor)
 
 
-def _normalized_queries_keys(q, k, scale: float | None, use_qk_l2norm_in_kernel: bool):
-    """fp32 q and k, L2-normalised when asked (fla normalises in the kernel), q times ``scale`` (default K^-1/2)."""
-    q, k = upcast(q), upcast(k)
-    if use_qk_l2norm_in_kernel:
-        q, k = l2_normalize(q), l2_normalize(k)
-    return q * (q.shape[-1] ** -0.5 if scale is None else scale), k
-
-
-def torch_chunk_kimi_delta_attention(
-    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
-    safe_gate=False, lower_bound=None, document_starts=None,
-):
-    """The torch body of the `chunk_kimi_delta_attention` seam: fla 0.6's ``chunk_kda`` call over `chunk_kda`. q, k
-    [B, T, H, K], v [B, T, H, V], the log-decay g [B, T, H, K] (computed, not in-kernel), beta [B, T, H], an fp32
-    state [B, H, K, V].
-
-    ``safe_gate`` with ``lower_bound`` is the caller's promise that g >= lower_bound (K3's gate), which lets the
-    chunks use sub-chunks of scores. ``document_starts`` [B, T] is this body's own: fla keeps packed documents apart
-    by ``cu_seqlens`` over a flattened batch, which transformers' decorator refuses without fla.
-    """
-    q, k = _normalized_queries_keys(q, k, scale, use_qk_l2norm_in_kernel)
-    bound = lower_bound if safe_gate else None
-    output, state = chunk_kda(
-        q, k, upcast(v), upcast(g), upcast(beta), initial_state, gate_lower_bound=bound, document_starts=document_starts
-    )
-    return output.to(v.dtype), state if output_final_state else None
-
-
-def torch_recurrent_kimi_delta_attention(
-    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False
-):
-    """The torch body of the `recurrent_kimi_delta_attention` seam: fla 0.6's ``fused_recurrent_kda`` call over
-    `recurrent_kda` (decoding: one sequence per row, never packed)."""
-    q, k = _normalized_queries_keys(q, k, scale, use_qk_l2norm_in_kernel)
-    output, state = recurrent_kda(q, k, upcast(v), upcast(g), upcast(beta), initial_state)
-    return output.to(v.dtype), state if output_final_state else None
-
-
 # The seams, as transformers declares them (with `kernels` installed each is a module that `kernelize` can swap, so the
 # torch bodies above keep their own names, for the calls that must reach them).
 chunk_kimi_delta_attention = use_kernel_func_from_hub_with_fallback("chunk_kda", "fla")(
@@ -327,35 +296,7 @@ def kda_through_fla_packed(q, k, v, g, beta, document_starts, **arguments):
     return output.view(batch_size, seq_len, *output.shape[2:]), None if state is None else state[last_of_row]
 
 
-def torch_causal_conv1d_fn(x, weight, bias=None, activation=None, document_positions=None):
-    """The torch body of the `causal_conv1d_fn` seam, Dao-AILab causal-conv1d's ``causal_conv1d_fn`` call: the
-    depthwise causal convolution (left zero padding) of x [B, C, W] with weight [C, K], then ``activation``.
-
-    ``document_positions`` [B, T] is this body's own (each of the last T tokens' index inside its packed document):
-    it keeps every tap inside the token's document and returns those T outputs.
-    """
-    x = F.pad(x.to(weight.dtype), (weight.shape[-1] - 1, 0))
-    if document_positions is None:
-        out = F.conv1d(x, weight.unsqueeze(1), bias, groups=x.shape[1])
-    else:
-        out = _conv_within_documents(x, weight, document_positions)
-        out = out if bias is None else out + bias[:, None]
-    return out if activation is None else ACT2FN[activation](out)
-
-
 causal_conv1d_fn = use_kernel_func_from_hub_with_fallback("causal_conv1d_fn", "causal_conv1d")(torch_causal_conv1d_fn)
-
-
-def _conv_within_documents(x: torch.Tensor, weight: torch.Tensor, document_positions: torch.Tensor) -> torch.Tensor:
-    """The sums of ``conv1d`` tap by tap, Σ_j w[K−1−j] · x[t−j] · [position_t ≥ j]: tap j reads j tokens back, and is
-    kept only where that stays inside the token's document."""
-    kernel_size, seq_len, width = weight.shape[-1], document_positions.shape[1], x.shape[-1]
-
-    def tap(lag: int) -> torch.Tensor:
-        inside = (document_positions >= lag)[:, None].to(x.dtype)
-        return weight[:, kernel_size - 1 - lag, None] * x[..., width - lag - seq_len : width - lag] * inside
-
-    return sum(tap(lag) for lag in range(kernel_size))
 
 
 class KimiK3ShortConvolution(KeepsFloat32Tensors, nn.Conv1d):

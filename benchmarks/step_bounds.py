@@ -35,14 +35,15 @@ from torch import nn  # noqa: E402
 from benchmarks.step_profile import JOB_BATCH, JobStep, job_training_step, record_matmuls  # noqa: E402
 
 
-def _model_module(model: nn.Module):
-    """The module that defines the model's classes: the stand-ins replace functions where its layers look them up."""
-    return sys.modules[type(model).__module__]
+def _kernel_module(model: nn.Module):
+    """The module of the model's KDA torch kernels (``kda_kimi_k3`` beside the model's own module): the stand-in
+    replaces the chunked kernel where the seams' torch bodies look it up."""
+    seam_body = sys.modules[type(model).__module__].torch_chunk_kimi_delta_attention
+    return sys.modules[seam_body.__module__]
 
 
 @contextlib.contextmanager
-def _module_function(model: nn.Module, name: str, replacement: Callable) -> Iterator[None]:
-    module = _model_module(model)
+def _module_function(module, name: str, replacement: Callable) -> Iterator[None]:
     original = getattr(module, name)
     setattr(module, name, replacement)
     try:
@@ -83,7 +84,7 @@ def _modules_named(model: nn.Module, class_name: str, exclude: str | None = None
 
 
 def kda_chunk_free(model: nn.Module) -> contextlib.AbstractContextManager:
-    return _module_function(model, "chunk_kda", _kda_stand_in)
+    return _module_function(_kernel_module(model), "chunk_kda", _kda_stand_in)
 
 
 def situ_free(model: nn.Module) -> contextlib.AbstractContextManager:

@@ -79,12 +79,13 @@ def test_each_stand_in_of_the_step_bounds_replaces_its_component_and_gives_it_ba
     """benchmarks/step_bounds.py: under a stand-in the component's reference runs for none of the modules it stands in
     for, the loss changes, every parameter that had a gradient still gets one (the optimizer's work is unchanged), and
     afterwards the model computes what it did."""
+    import kda_kimi_k3
     import modeling_kimi_k3
     from benchmarks.step_bounds import STAND_INS
     from kimi_k3.kernels import fused_situ
     from tests.conftest import tiny_config
 
-    references = {"KDA chunk kernel": (modeling_kimi_k3, "chunk_kda"),
+    references = {"KDA chunk kernel": (kda_kimi_k3, "chunk_kda"),
                   "SiTU-GLU": (modeling_kimi_k3.KimiK3GLUActivation, "forward"),
                   "short convolutions": (modeling_kimi_k3.KimiK3ShortConvolution, "forward"),
                   "RMSNorm outside AttnRes": (modeling_kimi_k3.KimiK3RMSNorm, "forward")}
