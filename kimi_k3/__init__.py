@@ -15,9 +15,10 @@
 They import one another in one direction only, the lab on top (the layers are declared once, in
 ``tests/test_repository.py``).
 
-The model itself lives in the flat modules ``configuration_kimi_k3`` / ``modeling_kimi_k3`` /
-``checkpoint_format_kimi_k3`` so that the very same files can be copied into checkpoint folders for
-``trust_remote_code``.
+The model itself lives in flat modules at the repository root (``configuration_kimi_k3``, ``modeling_kimi_k3`` and
+the files it imports: ``kda_kimi_k3``, ``packing_kimi_k3``, ``checkpoint_format_kimi_k3``, ``loading_kimi_k3``) so
+that the very same files can be copied into checkpoint folders for ``trust_remote_code``; ``variants_kimi_k3``
+subclasses them for the opt-in Stable LatentMoE variants.
 """
 
 # Importing the configuration warns, once per process, where the installed transformers lies outside the tested
