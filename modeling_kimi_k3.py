@@ -274,7 +274,7 @@ def package_kernel_runs(package: str, tensor: torch.Tensor) -> bool:
 
 
 # The seams, as transformers declares them (with `kernels` installed each is a module that `kernelize` can swap, so the
-# torch bodies above keep their own names, for the calls that must reach them).
+# torch bodies, in kda_kimi_k3.py, keep their own names, for the calls that must reach them).
 chunk_kimi_delta_attention = use_kernel_func_from_hub_with_fallback("chunk_kda", "fla")(
     torch_chunk_kimi_delta_attention
 )
