@@ -261,3 +261,17 @@ def test_cache_is_accepted_under_both_argument_names(model, exact_model):
         prefix = getattr(model(ids[:, :-1], use_cache=True), CACHE_FIELD)
         with pytest.raises(ValueError, match="[Bb]oth"):
             model(ids[:, -1:], cache=prefix, past_key_values=prefix)
+
+
+def test_generate_stops_at_the_position_limit_with_transformers_reminder(caplog):
+    """Past ``max_position_embeddings`` the forward refuses the sequence: generation ends there, saying so, with the
+    tokens a longer limit would have produced up to it."""
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14]])
+    model = KimiK3ForCausalLM(tiny_config(max_position_embeddings=16)).eval()
+    with caplog.at_level("WARNING"):
+        stopped = model.generate(prompt, max_new_tokens=20, do_sample=False)
+    assert stopped.shape == (1, 16)
+    assert "exceed the model's predefined maximum length (16): generation stops at 16 tokens" in caplog.text
+    longer = KimiK3ForCausalLM(tiny_config(max_position_embeddings=64)).eval()
+    longer.load_state_dict(model.state_dict())
+    assert torch.equal(longer.generate(prompt, max_new_tokens=6, do_sample=False), stopped)

@@ -115,6 +115,8 @@ BORROWED_API = [
             "_supports_sdpa": "MLA runs through torch's scaled_dot_product_attention",
             "_supports_flash_attn": "MLA's value width differs from its key width; flash-attn is refused",
             "_keep_in_fp32_modules_strict": "decay parameters, convs and the router bias stay fp32",
+            "_keep_in_fp32_modules": "weight-swapping quantizers (torchao, bitsandbytes) skip the AttnRes "
+                                     "pseudo-queries, which compute as an fp32 product and sum, not a linear layer",
             "_keys_to_ignore_on_load_unexpected": "released folders also hold vision-tower and projector tensors; "
                                                   "strict loading leaves unread what a class names here",
             "_keys_to_ignore_on_load_missing": "strict loading lets a class initialise what it names here (a new "
@@ -144,6 +146,10 @@ BORROWED_API = [
                 lambda: parameters(GenerationMixin._validate_generation_mode)
                 == ["self", "generation_mode", "generation_config", "generation_mode_kwargs"]
                 and "self._validate_generation_mode(" in inspect.getsource(GenerationMixin.generate)),
+    BorrowedApi("GenerationMixin._get_stopping_criteria", "generate stops at max_position_embeddings, where "
+                "transformers' MaxLengthCriteria only warns and the next forward would refuse the sequence",
+                lambda: parameters(GenerationMixin._get_stopping_criteria)[:2] == ["self", "generation_config"]
+                and "self._get_stopping_criteria(" in inspect.getsource(GenerationMixin.generate)),
     # The vision-language model (modeling_kimi_k3_vision.py): its prefill grows each sequence by the image tokens.
     BorrowedApi("GenerationMixin._update_model_kwargs_for_generation", "the vision-language model's later decoding "
                 "steps extend the merged attention mask (image tokens in place of their placeholders) that its "
