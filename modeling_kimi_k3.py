@@ -25,7 +25,6 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationConfig, GenerationMixin, GenerationMode
 from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
-from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
 from transformers.integrations import (
     use_experts_implementation,
     use_kernel_forward_from_hub,
@@ -1075,19 +1074,6 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
         if generation_config.use_cache and not self.config.mla_layer_indices:
             _check_cache_type(DynamicCache(config=self.config), self.config)
         super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
-
-    def _get_stopping_criteria(self, generation_config: GenerationConfig, *args, **kwargs) -> StoppingCriteriaList:
-        """transformers' stopping criteria, stopping at ``max_position_embeddings`` too: transformers only warns
-        there, and the next forward would refuse the sequence in the middle of generation."""
-        criteria = super()._get_stopping_criteria(generation_config, *args, **kwargs)
-        limit = self.config.max_position_embeddings
-        if generation_config.max_length is not None and generation_config.max_length > limit:
-            logger.warning_once(
-                f"This is a friendly reminder - the current text generation call would exceed the model's predefined "
-                f"maximum length ({limit}): generation stops at {limit} tokens."
-            )
-            criteria.append(MaxLengthCriteria(max_length=limit))
-        return criteria
 
     def _get_stopping_criteria(self, generation_config: GenerationConfig, *args, **kwargs) -> StoppingCriteriaList:
         """transformers' stopping criteria, stopping at ``max_position_embeddings`` too: transformers only warns
