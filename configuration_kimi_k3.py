@@ -294,6 +294,11 @@ class KimiK3Config(PreTrainedConfig):
     # `KimiK3ForConditionalGeneration`; the text classes ignore it.
     vision_config: dict | PreTrainedConfig | None = None
 
+    @property
+    def sub_configs(self) -> dict:
+        """A text-only config has no sub-config (and saves no ``vision_config``); a vision-language one has one."""
+        return {"vision_config": KimiK3VisionConfig} if self.vision_config is not None else {}
+
     def __post_init__(self, **kwargs):
         text_config = kwargs.pop("text_config", None)
         if text_config is not None:

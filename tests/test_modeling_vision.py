@@ -188,7 +188,7 @@ def test_released_vl_configuration_has_the_released_vision_tensors_and_unchanged
 def test_default_config_stays_text_only():
     config = KimiK3Config()
     assert config.vision_config is None
-    assert "vision_config" not in config.to_dict()
+    assert "vision_config" not in config.to_dict() and config.sub_configs == {}
     assert "AutoModelForImageTextToText" not in config.auto_map
     with pytest.raises(ValueError, match="needs config.vision_config"):
         KimiK3ForConditionalGeneration(config)
