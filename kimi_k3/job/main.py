@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             model = build_model(model_args, tokenizer, checkpoint, qk_clip_tau)
             attach_expert_qat(model_args, model)
             check_block_size(data_args.block_size, model.config)
+            tokenizer.model_max_length = model.config.max_position_embeddings  # saved: truncation=True fits it
             settings = run_settings(model_args, data_args, training_args, model.config)
             if checkpoint is not None:
                 check_resumable(model, checkpoint, training_args)

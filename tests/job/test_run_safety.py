@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import TrainerCallback
+from transformers import PreTrainedTokenizerFast, TrainerCallback
 
 from kimi_k3.checkpoint import run_folder
 from kimi_k3.job import main as train
@@ -432,6 +432,13 @@ def test_checkpoints_that_recorded_data_sizes_and_no_config_still_resume(trained
     del older["config"]
     (checkpoint / "run_settings.json").write_text(json.dumps(older))
     check_unchanged(str(checkpoint), current, KimiK3Config.from_pretrained(checkpoint))
+
+
+def test_saved_tokenizers_carry_the_models_position_limit_so_truncation_fits_the_model(trained):
+    for folder in (trained[0] / "model", trained[0] / "checkpoint-8"):
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
+        assert tokenizer.model_max_length == TINY_MODEL.get("max_position_embeddings", 512)
+        assert len(tokenizer("with " * 2000, truncation=True)["input_ids"]) == tokenizer.model_max_length
 
 
 # ---------------------------------------------------------------------------------------------------------------------
