@@ -106,7 +106,11 @@ def load_image_text(args: VisionArguments, seed: int) -> dict[str, datasets.Data
     elif Path(source).is_dir() and not (Path(source) / "dataset_info.json").exists():
         dataset = image_folder_dataset(source)
     else:
-        dataset = datasets.load_dataset(source, split="train")
+        try:
+            dataset = datasets.load_dataset(source, split="train")
+        except (OSError, datasets.exceptions.DatasetNotFoundError) as error:  # FileNotFoundError is an OSError
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise ValueError(f"{FLAG} {source}: {first}") from None
     check_columns(dataset, args.image_column, args.text_column)
     held_out = max(1, len(dataset) * args.validation_split_percentage // 100)
     split = dataset.train_test_split(test_size=held_out, seed=0)

@@ -41,6 +41,7 @@ def test_vl_job_refuses_bad_input_in_one_line(tmp_path, capsys):
         (["--vision_train_parts", "tower"], "--vision_train_parts 'tower'; allowed"),
         (["--optimizer", "sgd"], "--optimizer 'sgd'; allowed: per_head_muon, adamw"),
         (["--text_column", "caption"], "has no column 'caption'"),
+        (["--image_text_dataset", str(tmp_path / "missing")], f"--image_text_dataset {tmp_path / 'missing'}: "),
     ):
         assert vision.main(tiny_job(tmp_path / "bad", *extra)) == 2
         error = capsys.readouterr().err.strip()
