@@ -324,6 +324,11 @@ def merge_image_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The merged embeddings, attention mask (image tokens attended, padding not) and labels (``ignore_index`` at
     image tokens and padding). A batch padded on the left (a zero in the mask's first column) stays so."""
+    for name, tensor in (("attention_mask", attention_mask), ("labels", labels)):
+        if tensor is not None and tensor.shape != input_ids.shape:
+            raise ValueError(
+                f"{name} has shape {list(tensor.shape)}; with pixel_values it must match input_ids {list(input_ids.shape)}"
+            )
     counts = torch.tensor([f.shape[0] for f in image_features], device=input_ids.device, dtype=input_ids.dtype)
     left_padding = attention_mask is not None and bool((attention_mask[:, 0] == 0).any())
     sources = merged_token_sources(input_ids, counts, config.media_placeholder_token_id, left_padding)
@@ -441,8 +446,9 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
         return KimiK3VLCausalLMOutputWithPast(**outputs, attention_mask=attention_mask if merged else None)
 
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, **kwargs):
-        """After the prefill the cache holds the merged sequences: later steps extend their attention mask."""
-        if outputs.get("attention_mask") is not None:
+        """After the prefill the cache holds the merged sequences: later steps extend their attention mask. Without a
+        cache every step merges the images into the prompt again, and the prompt's mask is the one to extend."""
+        if outputs.get("attention_mask") is not None and model_kwargs.get("use_cache", True):
             model_kwargs["attention_mask"] = outputs["attention_mask"]
         return super()._update_model_kwargs_for_generation(outputs, model_kwargs, *args, **kwargs)
 

@@ -262,6 +262,13 @@ def test_merge_refuses_a_placeholder_count_that_does_not_match_the_images():
         merge_image_tokens(input_ids, torch.randn(1, 3, 32), [torch.randn(2, 32)] * 2, config)
 
 
+def test_merge_refuses_a_mask_of_another_length():
+    config = KimiK3VisionConfig.tiny(32, media_placeholder_token_id=PLACEHOLDER)
+    input_ids = torch.tensor([[5, PLACEHOLDER, 6]])
+    with pytest.raises(ValueError, match=r"attention_mask has shape \[1, 4\]; with pixel_values it must match input_ids"):
+        merge_image_tokens(input_ids, torch.randn(1, 3, 32), [torch.randn(2, 32)], config, torch.ones(1, 4))
+
+
 def test_forward_and_backward_with_images_reach_every_part():
     model = KimiK3ForConditionalGeneration(tiny_vl_config()).train()
     pixel_values, grid_thws = pixels_for([(1, 4, 4), (1, 6, 4)])
@@ -297,6 +304,11 @@ def test_cached_generation_with_images_equals_full_forwards():
             finished |= token == model.config.eos_token_id
             greedy, mask = torch.cat([greedy, token], dim=1), torch.cat([mask, torch.ones_like(token)], dim=1)
     assert torch.equal(generated, greedy)
+    uncached = model.generate(
+        input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False, pad_token_id=0, use_cache=False,
+        **images,
+    )
+    assert torch.equal(uncached, greedy)
 
 
 def test_bf16_model_casts_pixels_to_the_tower_and_features_to_the_language_model():
