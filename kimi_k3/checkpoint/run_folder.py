@@ -151,6 +151,12 @@ def _same_file(fd: int, path: Path) -> bool:
 # ---------------------------------------------------------------------------------------------------------------------
 # Checks before anything is written
 # ---------------------------------------------------------------------------------------------------------------------
+def check_output_folder(folder: str | Path) -> None:
+    """A job's output folder: writable, and not inside another job's folders (`check_not_nested`)."""
+    check_writable(folder)
+    check_not_nested(folder)
+
+
 def check_writable(folder: str | Path) -> None:
     """Create and remove a probe file in ``folder``, or in the nearest existing parent it would be created in."""
     folder = Path(folder).absolute()

@@ -99,8 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             model_args, data_args, card_args, training_args = parse_args(argv)
             check_options(model_args, data_args, training_args)
             qk_clip_tau = parse_qk_clip_tau(model_args.qk_clip_tau)
-            run_folder.check_writable(training_args.output_dir)
-            run_folder.check_not_nested(training_args.output_dir)
+            run_folder.check_output_folder(training_args.output_dir)
             publish = publish_settings(training_args)
             metadata = card_settings(card_args, model_args, data_args)
             lock = claim_output_folder(training_args)
@@ -117,15 +116,9 @@ def main(argv: list[str] | None = None) -> int:
                 dataset_name=data_args.dataset_name, dataset_config_name=data_args.dataset_config_name,
                 streaming=data_args.streaming,
             )
-            tokenizer = build_tokenizer(model_args, splits["train"], checkpoint)
-            model = build_model(model_args, tokenizer, checkpoint, qk_clip_tau)
-            attach_expert_qat(model_args, model)
-            check_block_size(data_args.block_size, model.config)
-            tokenizer.model_max_length = model.config.max_position_embeddings  # saved: truncation=True fits it
-            settings = run_settings(model_args, data_args, training_args, model.config)
-            if checkpoint is not None:
-                check_resumable(model, checkpoint, training_args)
-                check_unchanged(checkpoint, settings, model.config)
+            tokenizer, model, settings = build_checked_model(
+                model_args, data_args, training_args, splits["train"], checkpoint, qk_clip_tau
+            )
             blocks = tokenize_into_blocks(splits, tokenizer, data_args.block_size, data_args.packing)
             blocks = {"train": blocks["train"], "validation": evaluation_blocks(blocks["validation"],
                                                                                 data_args.max_eval_samples)}
@@ -154,6 +147,21 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if lock is not None:  # also removes the folder when it was created here and nothing was written
             lock.release()
+
+
+def build_checked_model(model_args, data_args, training_args, train_split, checkpoint, qk_clip_tau):
+    """Tokenizer, model and the run's recorded settings, checked against the data options and, on a resume, against
+    the checkpoint (its tensors and the settings it recorded)."""
+    tokenizer = build_tokenizer(model_args, train_split, checkpoint)
+    model = build_model(model_args, tokenizer, checkpoint, qk_clip_tau)
+    attach_expert_qat(model_args, model)
+    check_block_size(data_args.block_size, model.config)
+    tokenizer.model_max_length = model.config.max_position_embeddings  # saved: truncation=True fits the model
+    settings = run_settings(model_args, data_args, training_args, model.config)
+    if checkpoint is not None:
+        check_resumable(model, checkpoint, training_args)
+        check_unchanged(checkpoint, settings, model.config)
+    return tokenizer, model, settings
 
 
 def check_options(model_args, data_args, training_args) -> None:
