@@ -323,14 +323,15 @@ def merge_image_tokens(
     labels: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The merged embeddings, attention mask (image tokens attended, padding not) and labels (``ignore_index`` at
-    image tokens and padding). A batch padded on the left (a zero in the mask's first column) stays so."""
+    image tokens and padding). Rows that grow less are padded on the left, where decoding continues from the last
+    token, unless the batch is padded on the right (a zero in the mask's last column), as the release does."""
     for name, tensor in (("attention_mask", attention_mask), ("labels", labels)):
         if tensor is not None and tensor.shape != input_ids.shape:
             raise ValueError(
                 f"{name} has shape {list(tensor.shape)}; with pixel_values it must match input_ids {list(input_ids.shape)}"
             )
     counts = torch.tensor([f.shape[0] for f in image_features], device=input_ids.device, dtype=input_ids.dtype)
-    left_padding = attention_mask is not None and bool((attention_mask[:, 0] == 0).any())
+    left_padding = attention_mask is None or not bool((attention_mask[:, -1] == 0).any())
     sources = merged_token_sources(input_ids, counts, config.media_placeholder_token_id, left_padding)
     hidden = inputs_embeds.shape[-1]
     features = torch.cat(image_features).to(inputs_embeds.dtype)
@@ -342,6 +343,21 @@ def merge_image_tokens(
         ignored = labels.new_full((features.shape[0] + 1,), config.ignore_index)
         merged_labels = torch.cat([labels.flatten(), ignored])[sources]
     return rows[sources], mask_rows[sources], merged_labels
+
+
+def repeat_images_per_prompt(pixel_values, grid_thws, input_ids, placeholder_id: int, times: int) -> dict:
+    """``pixel_values`` and ``grid_thws`` with each prompt's images (in placeholder order) repeated ``times`` times in
+    a row, as the prompts of ``input_ids`` are."""
+    images_per_prompt = (input_ids == placeholder_id).sum(-1).tolist()
+    patches = [t * h * w for t, h, w in image_grids(grid_thws)]
+    by_image = list(pixel_values.split(patches))
+    pixels, grids, first = [], [], 0
+    for count in images_per_prompt:
+        for _ in range(times):
+            pixels += by_image[first : first + count]
+            grids.append(grid_thws[first : first + count])
+        first += count
+    return {"pixel_values": torch.cat(pixels), "grid_thws": torch.cat(grids)}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -444,6 +460,18 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
             input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask, labels=labels, **kwargs
         )
         return KimiK3VLCausalLMOutputWithPast(**outputs, attention_mask=attention_mask if merged else None)
+
+    def _expand_inputs_for_generation(self, expand_size=1, is_encoder_decoder=False, input_ids=None, **model_kwargs):
+        """Beams and several sequences per prompt: each prompt's images are repeated with it (transformers repeats
+        every tensor along dim 0, which for the packed patches would interleave patches of one image)."""
+        images = {key: model_kwargs.pop(key, None) for key in ("pixel_values", "grid_thws")}
+        input_ids, model_kwargs = super()._expand_inputs_for_generation(
+            expand_size, is_encoder_decoder, input_ids, **model_kwargs
+        )
+        if expand_size > 1 and images["pixel_values"] is not None and images["grid_thws"] is not None:
+            images = repeat_images_per_prompt(images["pixel_values"], images["grid_thws"], input_ids[::expand_size],
+                                              self.config.vision_config.media_placeholder_token_id, expand_size)
+        return input_ids, {**model_kwargs, **images}
 
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, **kwargs):
         """After the prefill the cache holds the merged sequences: later steps extend their attention mask. Without a

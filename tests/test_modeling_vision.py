@@ -319,3 +319,18 @@ def test_bf16_model_casts_pixels_to_the_tower_and_features_to_the_language_model
         logits = model(input_ids=torch.tensor([[5, PLACEHOLDER, 6]]), pixel_values=pixel_values, grid_thws=grid_thws).logits
     assert features[0].dtype == torch.bfloat16 and features[0].shape == (6, 32)
     assert logits.shape == (1, 3 + 5, 97) and torch.isfinite(logits.float()).all()
+
+
+def test_several_sequences_per_prompt_repeat_each_prompts_images():
+    """num_return_sequences copies each prompt with its own images: every copy decodes as the prompt alone does."""
+    model = randomize_(KimiK3ForConditionalGeneration(tiny_vl_config())).eval()
+    pixel_values, grid_thws = pixels_for([(1, 4, 6), (1, 6, 4), (1, 4, 4)])
+    input_ids = torch.tensor([[5, PLACEHOLDER, 6, PLACEHOLDER, 7], [8, 9, PLACEHOLDER, 10, 11]])
+    options = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    doubled = model.generate(input_ids, pixel_values=pixel_values, grid_thws=grid_thws, num_return_sequences=2,
+                             num_beams=2, **options)
+    first = model.generate(input_ids[:1], pixel_values=pixel_values[:48], grid_thws=grid_thws[:2], num_beams=2,
+                           num_return_sequences=2, **options)
+    second = model.generate(input_ids[1:], pixel_values=pixel_values[48:], grid_thws=grid_thws[2:], num_beams=2,
+                            num_return_sequences=2, **options)
+    assert torch.equal(doubled, torch.cat([first, second]))
