@@ -157,6 +157,12 @@ BORROWED_API = [
                 lambda: parameters(GenerationMixin._update_model_kwargs_for_generation)[:3]
                 == ["self", "outputs", "model_kwargs"]
                 and "self._update_model_kwargs_for_generation(" in inspect.getsource(GenerationMixin._sample)),
+    BorrowedApi("GenerationMixin._expand_inputs_for_generation", "beams and num_return_sequences repeat each prompt's "
+                "images with it: the patches of all images are packed along dim 0, which transformers' repeat along "
+                "dim 0 would interleave",
+                lambda: parameters(GenerationMixin._expand_inputs_for_generation)[:4]
+                == ["self", "expand_size", "is_encoder_decoder", "input_ids"]
+                and "self._expand_inputs_for_generation(" in inspect.getsource(GenerationMixin.generate)),
     # The opt-in variants (variants_kimi_k3.py) and the folders that ship them.
     BorrowedApi("transformers.integrations.moe._grouped_linear, and the experts' `_is_expert_parallel` and "
                 "`is_transposed` that use_experts_implementation sets",
