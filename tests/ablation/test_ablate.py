@@ -20,8 +20,8 @@ from kimi_k3.ablation.measure import evaluation_record
 from kimi_k3.ablation.report import difference, mean_and_std, mean_curve, paired_difference, run_machines
 from kimi_k3.ablation.rows import QUICK_MODEL, ROWS, AblationError, check_applies
 from kimi_k3.text import corpus as data
-from modeling_kimi_k3 import KimiK3ForCausalLM
 from tests.conftest import HANG_CEILING_S, ROOT, TINY_CONFIG
+from variants_kimi_k3 import causal_lm_class
 
 TINY_MODEL = {key: value for key, value in TINY_CONFIG.items() if key != "vocab_size"}
 KDA_ONLY = {**QUICK_MODEL, "use_cache": False, "layer_types": ["linear_attention"] * QUICK_MODEL["num_hidden_layers"]}
@@ -96,7 +96,7 @@ def test_every_model_row_measures_its_routed_experts_and_attention(row):
     """The evaluation pass finds the routed experts of every model a row builds (the shared-basis experts hold no fused
     weight parameters) and its MLA logits: a row's activation maxima are numbers, not gaps in the table."""
     config = KimiK3Config(**{**QUICK_MODEL, **check_applies(row, QUICK_MODEL)})
-    model = KimiK3ForCausalLM(config).eval()
+    model = causal_lm_class(config)(config).eval()
     input_ids = torch.randint(3, config.vocab_size, (3, 17), generator=torch.Generator().manual_seed(0))
     blocks = Dataset.from_dict({"input_ids": input_ids.tolist(), "labels": input_ids.tolist()})
     record = evaluation_record(model, blocks)
