@@ -13,8 +13,10 @@ import sys
 from pathlib import Path
 
 from huggingface_hub.errors import StrictDataclassError
+from safetensors import SafetensorError
 from transformers.utils.hub import convert_file_size_to_int
 
+from kimi_k3.checkpoint import run_folder
 from kimi_k3.checkpoint.release_format import DEFAULT_MAX_SHARD_BYTES, export_released, import_released
 
 PROG = "kimi-k3-convert"
@@ -50,8 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     convert = DIRECTIONS[args.direction]
     try:
         shards = convert(args.source, args.target, max_shard_bytes=args.max_shard_size, progress=not args.no_progress)
-    except (ValueError, OSError) as error:
-        print(f"{PROG}: error: {' '.join(str(error).split())}", file=sys.stderr)
+    except (ValueError, OSError, SafetensorError) as error:  # safetensors reports a failed write as its own error
+        cause = run_folder.write_failure_cause(error)
+        prefix = f"writing {args.target} failed{cause}, nothing partial was left: " if cause else ""
+        print(f"{PROG}: error: {prefix}{' '.join(str(error).split())}", file=sys.stderr)
         return 2
     except StrictDataclassError as error:  # the folder's config.json: the error's cause is one line naming the field
         print(f"{PROG}: error: {args.source}/config.json: {error.__cause__ or error}", file=sys.stderr)

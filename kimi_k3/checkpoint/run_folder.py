@@ -286,7 +286,16 @@ def size_limit_reached(error: BaseException) -> bool:
 
 
 def _writer_out_of_room(text: str) -> bool:
-    return "unexpected pos" in text or "file write failed" in text
+    # torch.save's zip writer says "unexpected pos" / "file write failed"; safetensors passes on the OS's words
+    # ("File too large (os error 27)") without an errno.
+    return any(words in text for words in ("unexpected pos", "file write failed", "File too large"))
+
+
+def write_failure_cause(error: BaseException) -> str:
+    """Why a write failed, as the error table words it, or ``""`` when it is neither a size limit nor a full disk."""
+    if size_limit_reached(error):
+        return " (the file size limit, ulimit -f, was reached)"
+    return " (the disk is full)" if is_disk_full(error) else ""
 
 
 def is_disk_full(error: BaseException) -> bool:

@@ -200,10 +200,7 @@ def perplexity(loss: float) -> float:
 
 def save_failure(name: str, folder: Path, error: BaseException) -> str:
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    if run_folder.size_limit_reached(error):
-        full = " (the file size limit, ulimit -f, was reached)"
-    else:
-        full = " (the disk is full)" if run_folder.is_disk_full(error) else ""
+    full = run_folder.write_failure_cause(error)
     return f"saving {name} in {folder} failed{full}: {reason}; nothing partial was published"
 
 
