@@ -15,6 +15,7 @@ from transformers import HfArgumentParser, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 from configuration_kimi_k3 import KimiK3Config
+from loading_kimi_k3 import MAX_JSON_FILE_BYTES, check_local_folder, checked_regular_file, folder_root
 from kimi_k3.optim.precision import PRECISION_CHOICES, accelerator_has_native_bf16
 from kimi_k3.policies.expert_merging import check_merging_arguments
 from kimi_k3.policies.qk_clip import check_tau
@@ -329,6 +330,11 @@ def check_batch_sizes(training_args: TrainingArguments) -> None:
             raise UsageError(f"--{name} must be >= 1, got {value}")
 
 
+# What `from_pretrained` loads weights from, in a saved folder.
+MODEL_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                      "pytorch_model.bin.index.json")
+
+
 def check_local_sources(model_args: ModelArguments) -> None:
     """A model or tokenizer argument that reads as a local path must exist: it is never fetched from the hub under
     that name. A hub id is ``NAME`` or ``OWNER/NAME`` with no folder ``OWNER`` here."""
@@ -338,6 +344,35 @@ def check_local_sources(model_args: ModelArguments) -> None:
             continue
         if not is_repo_id(value) or ("/" in value and Path(Path(value).parts[0]).is_dir()):
             raise UsageError(f"--{flag} {value}: no such folder (a local path is never looked up on the hub)")
+    check_source_folders(model_args)
+
+
+def check_source_folders(model_args: ModelArguments) -> None:
+    """A local folder to fine-tune holds weights, the folder the tokenizer comes from a ``tokenizer.json``, and both
+    only regular files inside them of bounded size (`check_local_folder`), before anything is read from them."""
+    model = model_args.model_name_or_path
+    if model is not None and Path(model).expanduser().is_dir():
+        folder = Path(model).expanduser()
+        if not any((folder / name).exists() for name in MODEL_WEIGHT_FILES):
+            raise UsageError(f"--model_name_or_path {model}: no weights ({' or '.join(MODEL_WEIGHT_FILES)}); "
+                             "fine-tune from a saved model folder (a run's model/ or checkpoint-N)")
+        refused_as_usage("model_name_or_path", check_local_folder, folder)
+    flag = "tokenizer_name_or_path" if model_args.tokenizer_name_or_path else "model_name_or_path"
+    tokenizer = getattr(model_args, flag)
+    if tokenizer is not None and Path(tokenizer).expanduser().is_dir():
+        folder = Path(tokenizer).expanduser()
+        if not (folder / "tokenizer.json").exists():
+            raise UsageError(f"--{flag} {tokenizer}: no tokenizer.json; pass --tokenizer_name_or_path with a folder "
+                             "that has one")
+        refused_as_usage(flag, checked_regular_file, folder / "tokenizer.json", folder_root(folder), MAX_JSON_FILE_BYTES)
+
+
+def refused_as_usage(flag: str, check, *args) -> None:
+    """``check(*args)``, its one-line refusal naming the option."""
+    try:
+        check(*args)
+    except ValueError as error:
+        raise UsageError(f"--{flag}: {error}") from None
 
 
 def check_learning_rate(training_args: TrainingArguments) -> None:

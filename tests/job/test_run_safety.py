@@ -250,6 +250,28 @@ def test_output_dir_inside_another_jobs_model_or_checkpoint_is_refused_before_an
     assert sorted(jobs.rglob("*")) == before
 
 
+def test_fine_tuning_from_a_folder_without_weights_or_tokenizer_is_one_line_before_anything_is_written(
+    trained, tmp_path, capsys
+):
+    folder = shutil.copytree(trained[0] / "model", tmp_path / "base")
+    (folder / "model.safetensors").unlink()
+    assert train.main(tiny_args(tmp_path / "out", trained[1], "--model_name_or_path", str(folder))) == 2
+    assert last_error(capsys).startswith(f"kimi-k3-train: error: --model_name_or_path {folder}: no weights")
+    shutil.copy(trained[0] / "model" / "model.safetensors", folder)
+    (folder / "tokenizer.json").unlink()
+    assert train.main(tiny_args(tmp_path / "out", trained[1], "--model_name_or_path", str(folder))) == 2
+    assert last_error(capsys) == (f"kimi-k3-train: error: --model_name_or_path {folder}: no tokenizer.json; pass "
+                                  "--tokenizer_name_or_path with a folder that has one")
+    with open(folder / "tokenizer.json", "w") as huge:
+        huge.truncate(1_200_000_000)  # sparse: read whole, it would cost 1.2 GB
+    assert train.main(tiny_args(tmp_path / "out", trained[1], "--model_name_or_path", str(folder))) == 2
+    assert last_error(capsys) == (
+        f"kimi-k3-train: error: --model_name_or_path: {folder / 'tokenizer.json'} holds 1,200,000,000 bytes, more "
+        "than the 100,000,000 read whole at most."
+    )
+    assert not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # No file is written through a planted link
 # ---------------------------------------------------------------------------------------------------------------------
