@@ -47,7 +47,11 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
     Not ``AutoTokenizer``: it reads the folder's config.json first, and a Kimi K3 model folder's config is remote code
     (a trust prompt), which a tokenizer does not need.
     """
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+    try:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+    except Exception as error:  # json, tokenizers and transformers each report a malformed file in their own class
+        reason = " ".join(str(error).split()) or type(error).__name__
+        raise ValueError(f"{path}: its tokenizer files cannot be read (malformed tokenizer.json?): {reason}") from None
     if tokenizer.eos_token_id is None:
         raise ValueError(f"--tokenizer_name_or_path {path}: the tokenizer has no EOS token to separate documents")
     if tokenizer.pad_token_id is None:

@@ -272,6 +272,17 @@ def test_fine_tuning_from_a_folder_without_weights_or_tokenizer_is_one_line_befo
     assert not (tmp_path / "out").exists()
 
 
+def test_a_malformed_tokenizer_is_one_line_naming_its_folder(trained, tmp_path, capsys):
+    folder = tmp_path / "tokenizer"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text("{bad")
+    assert train.main(tiny_args(tmp_path / "out", trained[1], "--tokenizer_name_or_path", str(folder))) == 2
+    assert last_error(capsys).startswith(
+        f"kimi-k3-train: error: {folder}: its tokenizer files cannot be read (malformed tokenizer.json?): "
+    )
+    assert not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # No file is written through a planted link
 # ---------------------------------------------------------------------------------------------------------------------
