@@ -141,8 +141,7 @@ def train_with_trainer(
 ) -> dict:
     """Per-Head Muon with QK-Clip and Quantile Balancing through ``Trainer`` for STEPS steps; ``save_steps=None``
     saves nothing, ``max_grad_norm=0`` clips no gradient (``Trainer`` still computes and logs the norm).
-    ``ns_dtype`` is Per-Head Muon's Newton–Schulz precision, forced rather than picked from the CPU, so that both
-    paths are checked on every machine.
+    ``ns_dtype`` is Newton–Schulz's precision, forced rather than picked from the CPU: both paths, every machine.
 
     ``Trainer`` normalizes the loss by the label count of the whole global batch (over micro-batches and ranks),
     and DDP averages what each rank's ``world_size``-scaled loss gives: both add up to the same gradient. ``model``
