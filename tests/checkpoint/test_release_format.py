@@ -424,7 +424,10 @@ def test_conversion_failing_midway_removes_its_staging_folder(representable, tmp
     monkeypatch.setattr(release_format, "save_file", disk_full)
     (tmp_path / "empty").mkdir()
     assert convert_main(["from-release", str(representable.released), str(tmp_path / "empty"), "--no_progress"]) == 2
-    assert capsys.readouterr().err.strip() == "kimi-k3-convert: error: [Errno 28] No space left on device"
+    assert capsys.readouterr().err.strip() == (
+        f"kimi-k3-convert: error: writing {tmp_path / 'empty'} failed (the disk is full), nothing partial was left: "
+        "[Errno 28] No space left on device"
+    )
     assert sorted(path.name for path in tmp_path.iterdir()) == ["empty"] and not any((tmp_path / "empty").iterdir())
 
 
