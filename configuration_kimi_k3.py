@@ -93,6 +93,7 @@ AUTO_MAP = {
     "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForCausalLM",
     "AutoModelForSequenceClassification": "modeling_kimi_k3.KimiK3ForSequenceClassification",
     "AutoModelForTokenClassification": "modeling_kimi_k3.KimiK3ForTokenClassification",
+    "AutoModelForQuestionAnswering": "modeling_kimi_k3.KimiK3ForQuestionAnswering",
 }
 # A configuration that switches a Stable LatentMoE variant on is built by the variants' own model classes (the
 # released ones refuse it); only folders saved from them carry that file.

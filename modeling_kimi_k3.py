@@ -33,6 +33,7 @@ from transformers.integrations import (
 )
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
 from transformers.modeling_layers import (
+    GenericForQuestionAnswering,
     GenericForSequenceClassification,
     GenericForTokenClassification,
     GradientCheckpointingLayer,
@@ -1149,13 +1150,21 @@ class KimiK3ForTokenClassification(KimiK3TaskHead, GenericForTokenClassification
     """One label per token (transformers' generic head)."""
 
 
+class KimiK3ForQuestionAnswering(KimiK3TaskHead, GenericForQuestionAnswering, KimiK3PreTrainedModel):
+    """Extractive question answering: a start and an end score per token (transformers' generic head)."""
+
+    _keys_to_ignore_on_load_missing = ["qa_outputs.weight", "qa_outputs.bias"]
+
+
 register_expert_layout(
-    "KimiK3ForCausalLM", "KimiK3Model", "KimiK3ForSequenceClassification", "KimiK3ForTokenClassification"
+    "KimiK3ForCausalLM", "KimiK3Model", "KimiK3ForSequenceClassification", "KimiK3ForTokenClassification",
+    "KimiK3ForQuestionAnswering",
 )
 KimiK3Model.register_for_auto_class("AutoModel")
 KimiK3ForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 KimiK3ForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
 KimiK3ForTokenClassification.register_for_auto_class("AutoModelForTokenClassification")
+KimiK3ForQuestionAnswering.register_for_auto_class("AutoModelForQuestionAnswering")
 
 
 __all__ = [
@@ -1164,4 +1173,5 @@ __all__ = [
     "KimiK3ForCausalLM",
     "KimiK3ForSequenceClassification",
     "KimiK3ForTokenClassification",
+    "KimiK3ForQuestionAnswering",
 ]

@@ -105,6 +105,7 @@ def test_saved_folder_holds_code_config_weights_and_auto_map(saved):
         "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForCausalLM",
         "AutoModelForSequenceClassification": "modeling_kimi_k3.KimiK3ForSequenceClassification",
         "AutoModelForTokenClassification": "modeling_kimi_k3.KimiK3ForTokenClassification",
+        "AutoModelForQuestionAnswering": "modeling_kimi_k3.KimiK3ForQuestionAnswering",
     }
     assert (saved / "modeling_kimi_k3.py").read_text() == open(modeling_kimi_k3.__file__).read()
 

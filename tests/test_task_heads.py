@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import (
+    AutoModelForQuestionAnswering,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
     Trainer,
@@ -85,3 +86,21 @@ def test_sequence_score_is_read_at_the_last_real_token_of_right_padded_rows(caus
         for row, length in enumerate(lengths):
             alone = ids[row : row + 1, :length]  # the same sequence unpadded: fp32 (trusted) and fp64 (exact)
             assert_as_accurate(batch[row], model(alone).logits[0], exact(alone).logits[0], what=f"row {row}")
+
+
+def test_question_answering_head_loads_from_a_causal_lm_folder_trains_and_reloads(causal_lm_folder, tmp_path, caplog):
+    with caplog.at_level("WARNING"):
+        model = AutoModelForQuestionAnswering.from_pretrained(causal_lm_folder, trust_remote_code=True)
+    assert "qa_outputs.weight" in caplog.text and "initialised at random (a new task head)" in caplog.text
+    base = load_file(causal_lm_folder / "model.safetensors")
+    assert torch.equal(model.model.norm.weight, base["model.norm.weight"])
+    ids = torch.randint(3, 97, (4, 10), generator=torch.Generator().manual_seed(0))
+    spans = {"start_positions": torch.tensor([1, 2, 3, 4]), "end_positions": torch.tensor([2, 3, 5, 6])}
+    output = model(ids, **spans)
+    assert output.start_logits.shape == (4, 10) and output.end_logits.shape == (4, 10)
+    output.loss.backward()
+    assert model.qa_outputs.weight.grad.abs().sum() > 0
+    model.save_pretrained(tmp_path / "tuned")
+    reloaded = AutoModelForQuestionAnswering.from_pretrained(tmp_path / "tuned", trust_remote_code=True).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).start_logits, model.eval()(ids).start_logits)
