@@ -505,6 +505,19 @@ def folder_bytes(folder: Path) -> dict[str, bytes]:
     return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
 
 
+@pytest.mark.parametrize("ns_dtype", ["bfloat16", "float32"])
+def test_resume_is_bit_exact_with_newton_schulz_forced_to_either_precision(ns_dtype, tmp_path):
+    """``--muon_ns_dtype auto`` takes one of the two on a given CPU; both paths are held to a bit-exact resume here."""
+    corpus = write_corpus(tmp_path)
+    forced = ("--muon_ns_dtype", ns_dtype)
+    assert run_main(tiny_args(tmp_path / "uninterrupted", corpus, *forced))[0] == 0
+    run_interrupted(tiny_args(tmp_path / "run", corpus, *forced), global_step=5)
+    assert run_main(tiny_args(tmp_path / "run", corpus, *forced, "--resume_from_checkpoint", "True"))[0] == 0
+    expected, resumed = weights(tmp_path / "uninterrupted" / "model"), weights(tmp_path / "run" / "model")
+    assert expected.keys() == resumed.keys()
+    assert all(torch.equal(expected[key], resumed[key]) for key in expected)
+
+
 def test_resuming_a_finished_run_trains_no_step_and_leaves_model_bit_identical(trained, tmp_path):
     run = shutil.copytree(trained[0], tmp_path / "run")
     before = folder_bytes(run / "model")
