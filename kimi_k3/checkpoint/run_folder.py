@@ -6,8 +6,10 @@ into the file so that a second job can name it. Folders are written under unique
 (files, then directories) and renamed into place, so neither a crash nor a power loss publishes a partial folder.
 """
 
+import ctypes
 import errno
 import fcntl
+import functools
 import json
 import os
 import re
@@ -229,11 +231,16 @@ def _fsync(path: Path, flags: int) -> None:
 def replace_folder(staged: Path, target: Path) -> None:
     """Publish a completely written folder as ``target``; an existing ``target`` stays whole until it is replaced.
 
-    ``staged`` lives under ``target``'s parent, so both renames stay on one filesystem and each is atomic. Between
-    them the old folder sits complete under ``.<name>.replaced``; `recover_replacements` restores it if the job dies
+    ``staged`` lives under ``target``'s parent, on one filesystem: the two folders are swapped in one step where
+    Linux can (`exchange_paths`), else renamed twice, each rename atomic. Between the two renames the old folder
+    sits complete under ``.<name>.replaced``; `recover_replacements` restores it if the job dies
     there. Contents are fsync'ed before the first rename and the parent directory after the last.
     """
     fsync_tree(staged)
+    if target.is_dir() and exchange_paths(staged, target):
+        fsync_dir(target.parent)
+        shutil.rmtree(staged, ignore_errors=True)  # now the old folder, under the staging name recovery removes
+        return
     backup = replaced_name(target)
     shutil.rmtree(backup, ignore_errors=True)
     if target.exists():
@@ -241,6 +248,30 @@ def replace_folder(staged: Path, target: Path) -> None:
     os.rename(staged, target)
     fsync_dir(target.parent)
     shutil.rmtree(backup, ignore_errors=True)
+
+
+# renameat2(2)'s flag that swaps two paths in one step (Linux 3.15, glibc 2.28).
+RENAME_EXCHANGE = 2
+
+
+def exchange_paths(first: Path, second: Path) -> bool:
+    """Swap two folders atomically with Linux's ``renameat2(RENAME_EXCHANGE)``, so that a reader never finds
+    ``second`` missing; False where the system or the filesystem cannot (then two renames do it)."""
+    renameat2 = getattr(_libc(), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_cwd = -100  # AT_FDCWD
+    if renameat2(at_cwd, os.fsencode(first), at_cwd, os.fsencode(second), RENAME_EXCHANGE) == 0:
+        return True
+    error = ctypes.get_errno()
+    if error in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EPERM):  # no such call, or not on this filesystem
+        return False
+    raise OSError(error, os.strerror(error), str(second))
+
+
+@functools.cache
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def replaced_name(target: Path) -> Path:
