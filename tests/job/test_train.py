@@ -552,6 +552,7 @@ def test_kill_between_the_two_renames_of_model_is_recovered(trained, tmp_path, m
         rename(source, target)
 
     monkeypatch.setattr(run_folder.os, "rename", killed_before_second_rename)
+    monkeypatch.setattr(run_folder, "exchange_paths", lambda *args: False)  # where Linux cannot swap in one step
     model = KimiK3ForCausalLM.from_pretrained(run / "model")
     with pytest.raises(KeyboardInterrupt):
         final_save.save_final_model(model, load_tokenizer(run / "model"), render_model_card(model, "tiny"), run / "model")
