@@ -1,12 +1,12 @@
 """Per-Head Muon steps on the same gradients in one process (the reference) and on every rank of a launched group.
 
 Launched as ``torchrun --nproc_per_node 2 tests/dist_scripts/split_newton_schulz.py WORK`` (repository root on
-PYTHONPATH): every rank runs :func:`main`, which steps a copy of the model of every ``WORK/<name>.json``
-configuration in each layout ``WORK/layouts.json`` lists for it (replicated as under DDP; FSDP2 per decoder layer;
-transformers' sharding with expert parallelism, ``ep``, or tensor parallelism, ``tp``) on gradients that are a function
-of the parameter name and the step alone, counting each rank's matmul FLOPs and the bytes it exchanges with the other
-ranks inside ``optimizer.step()``; rank 0 writes the final weights and the counts to ``WORK/split.pt``. Only the
-optimizer runs: the gradients stand in for what a backward would leave, without its cost.
+PYTHONPATH): every rank runs :func:`main`, which steps, for each run of ``WORK/runs.json`` (a ``WORK/<name>.json``
+configuration, Newton–Schulz's precision, layouts), a copy of the model in each layout (replicated as under DDP;
+FSDP2 per decoder layer; transformers' sharding with expert parallelism, ``ep``, or tensor parallelism, ``tp``) on
+gradients that are a function of the parameter name and the step alone, counting each rank's matmul FLOPs and the
+bytes it exchanges with the other ranks inside ``optimizer.step()``; rank 0 writes the final weights and the counts to
+``WORK/split.pt``. Only the optimizer runs: the gradients stand in for what a backward would leave, without its cost.
 """
 
 import contextlib
@@ -71,11 +71,11 @@ def counted_traffic(traffic: list[int]):
         yield
 
 
-def run_steps(model, counted: bool = True) -> dict:
+def run_steps(model, ns_dtype: str, counted: bool = True) -> dict:
     """STEPS optimizer steps (momentum carries over): per step, the matmul FLOPs and the traffic of this process, and
     the traffic the optimizer's own plans give this rank. ``counted=False`` steps outside the FLOP counter's dispatch
     mode, under which Per-Head Muon's compiled elementwise passes run eagerly, so that they run compiled."""
-    optimizer = PerHeadMuon.for_model(model, lr=LEARNING_RATE)
+    optimizer = PerHeadMuon.for_model(model, lr=LEARNING_RATE, ns_dtype=ns_dtype)
     flops, traffic = [], []
     for step in range(STEPS):
         set_gradients(model, step)
@@ -95,20 +95,20 @@ def run_steps(model, counted: bool = True) -> dict:
             "planned_flops": sum(plan.call_flops(rank) for plan in plans), "ns_itemsize": itemsize}
 
 
-def single_process(config: KimiK3Config) -> dict:
+def single_process(config: KimiK3Config, ns_dtype: str) -> dict:
     model = build_model(config)
-    result = run_steps(model)
+    result = run_steps(model, ns_dtype)
     return {"flops": result["flops"], "state": model.state_dict()}
 
 
-def distributed_layout(config: KimiK3Config, layout: str, counted: bool = True) -> dict:
+def distributed_layout(config: KimiK3Config, layout: str, ns_dtype: str, counted: bool = True) -> dict:
     model = build_model(config)
     if layout == "fsdp2":
         shard_decoder_layers(model)
     elif layout in TRANSFORMERS_LAYOUTS:
         distributed_config, _, mesh = KimiK3ForCausalLM.prepare_distribute_model(TRANSFORMERS_LAYOUTS[layout])
         model = KimiK3ForCausalLM.maybe_distribute_model(model, distributed_config, mesh)
-    result = run_steps(model, counted)
+    result = run_steps(model, ns_dtype, counted)
     gathered = {key: [None] * dist.get_world_size() for key in ("flops", "traffic", "planned_traffic", "planned_flops")}
     for key, values in gathered.items():
         dist.all_gather_object(values, result[key])
@@ -133,11 +133,11 @@ def refusal_of_rank_dependent_updates(config: KimiK3Config) -> str:
 def main(work: Path) -> None:
     dist.init_process_group("gloo")
     results = {}
-    for name, layouts in json.loads((work / "layouts.json").read_text()).items():
-        config = KimiK3Config.from_json_file(work / f"{name}.json")
-        results[name] = {layout: distributed_layout(config, layout) for layout in layouts}
+    for run, spec in json.loads((work / "runs.json").read_text()).items():
+        config = KimiK3Config.from_json_file(work / f"{spec['config']}.json")
+        results[run] = {layout: distributed_layout(config, layout, spec["ns_dtype"]) for layout in spec["layouts"]}
     default = KimiK3Config.from_json_file(work / "default.json")
-    results["not counted"] = {layout: distributed_layout(default, layout, counted=False)["state"]
+    results["not counted"] = {layout: distributed_layout(default, layout, "auto", counted=False)["state"]
                               for layout in ("ddp", "fsdp2")}
     results["refusal"] = refusal_of_rank_dependent_updates(config)
     if dist.get_rank() == 0:

@@ -196,9 +196,16 @@ def configs() -> dict[str, KimiK3Config]:
             "two_heads": tiny_config(v_head_dim=4)}
 
 
-# Expert and tensor parallelism run on the tiny models only: they add no Newton–Schulz work, only layouts.
-LAYOUTS = {"default": ["ddp", "fsdp2"], "mixed_blocks": ["ddp", "fsdp2", "ep"], "two_heads": ["ep", "tp"]}
-RUNS = [(config, layout) for config, layouts in LAYOUTS.items() for layout in layouts]
+# Expert and tensor parallelism run on the tiny models only: they add no Newton–Schulz work, only layouts. The tiny
+# models run with Newton–Schulz forced to bf16 and to fp32, so both paths are checked whatever "auto" picks on this
+# CPU; the default model keeps "auto" (bf16 forced where it is emulated would cost its 117 GFLOP many times over).
+RUN_SPECS = {  # run -> (config, Newton–Schulz precision, layouts)
+    "default": ("default", "auto", ["ddp", "fsdp2"]),
+    **{f"{config} {short}": (config, dtype, layouts)
+       for config, layouts in {"mixed_blocks": ["ddp", "fsdp2", "ep"], "two_heads": ["ep", "tp"]}.items()
+       for short, dtype in (("bf16", "bfloat16"), ("fp32", "float32"))},
+}
+RUNS = [(run, layout) for run, (_, _, layouts) in RUN_SPECS.items() for layout in layouts]
 
 
 @pytest.fixture(scope="module")
@@ -206,14 +213,17 @@ def launched(tmp_path_factory):
     work = tmp_path_factory.mktemp("split_newton_schulz")
     for name, config in configs().items():
         config.to_json_file(work / f"{name}.json")
-    (work / "layouts.json").write_text(json.dumps(LAYOUTS))
+    runs = {run: {"config": config, "ns_dtype": dtype, "layouts": layouts}
+            for run, (config, dtype, layouts) in RUN_SPECS.items()}
+    (work / "runs.json").write_text(json.dumps(runs))
     torchrun(str(Path(scenario.__file__)), str(work), nproc=WORLD_SIZE, timeout_s=LAUNCH_TIMEOUT_S)
     return torch.load(work / "split.pt", weights_only=False)
 
 
 @pytest.fixture(scope="module")
 def single_process():
-    return {name: scenario.single_process(config) for name, config in configs().items()}
+    models = configs()
+    return {run: scenario.single_process(models[config], dtype) for run, (config, dtype, _) in RUN_SPECS.items()}
 
 
 @pytest.mark.distributed
