@@ -126,5 +126,7 @@ class KimiK3VisionModelTest(ModelTesterMixin, TrainingTesterMixin, unittest.Test
             super().test_can_init_all_missing_weights()
 
 
+# Some of these mixin tests are younger than the lowest supported transformers: skip the ones this release has.
 for _name, _reason in KIMI_K3_VL_SKIPPED.items():
-    setattr(KimiK3VisionModelTest, _name, unittest.skip(_reason)(getattr(KimiK3VisionModelTest, _name)))
+    if hasattr(KimiK3VisionModelTest, _name):
+        setattr(KimiK3VisionModelTest, _name, unittest.skip(_reason)(getattr(KimiK3VisionModelTest, _name)))
