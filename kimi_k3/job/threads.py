@@ -2,12 +2,12 @@
 
 torch starts one OpenMP thread per core it sees, and every parallel operator waits for its slowest thread. When other
 processes keep some of those cores busy, a thread is descheduled in most operators and the step waits for the
-scheduler to run it again: on 2 cores beside busy neighbours the default step ran about 7x slower than the same job on
-one thread (benchmarks/bench_busy_neighbours.py). So the job counts the cores it may use (its CPU affinity and a cgroup
-CPU quota) and the cores other processes keep busy when it starts (the kernel's count of runnable tasks, sampled), and
-runs one thread per core left, at least one and at most torch's own default (one per physical core). ``OMP_NUM_THREADS``
-set by the user wins. The choice is printed in one
-line, because the thread count can change the rounding of some reductions: a run resumed bit for bit needs the same.
+scheduler to run it again, so beside busy neighbours the default step runs many times slower than the same job on one
+thread (benchmarks/bench_busy_neighbours.py measures it). So the job counts the cores it may use (its CPU affinity and
+a cgroup CPU quota) and the cores other processes keep busy when it starts (the kernel's count of runnable tasks,
+sampled), and runs one thread per core left, at least one and at most torch's own default (one per physical core).
+``OMP_NUM_THREADS`` set by the user wins. The choice is printed in one line, because the thread count can change the
+rounding of some reductions: a run resumed bit for bit needs the same.
 """
 
 import os
