@@ -116,7 +116,7 @@ def test_static_cache_is_refused_naming_the_supported_cache(model, ids):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for models off CUDA")
 def test_offloaded_cache_off_cuda_fails_in_torch_rather_than_decoding(model, ids):
     """transformers' offloaded cache pages through CUDA streams; without a CUDA device torch refuses them."""
-    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA|Stream"):  # +cpu and CUDA builds word it apart
         model.generate(ids[:1], max_new_tokens=2, do_sample=False, cache_implementation="offloaded")
 
 
