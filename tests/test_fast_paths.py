@@ -4,7 +4,7 @@ for the device in model code.
 Kernel-level equalities (sub-chunked `chunk_kda` ≡ `recurrent_kda` ≡ a naive loop) live in tests/test_kda.py; here the
 KDA layer is pinned end to end: its chunked prefill, with the gate lower bound it passes to the kernel, against
 token-by-token decoding through the cache, which runs the plain recurrence. The fused SiTU-GLU kernels attached from
-outside are pinned to the model's reference in tests/kernels/test_fused_situ.py.
+outside are pinned to the model's reference in tests/test_kernels/test_fused_situ.py.
 """
 
 import os

@@ -1,10 +1,11 @@
 """The repository itself: no leftovers of an unfinished merge, functions short enough to read in one screen, no module
 reaching into another's underscored names, imports that follow one layering without cycles, every Markdown file a
-text cites present in the repository, the README's commands the ones CI runs, and no test limited by wall-clock time
-below the hang ceiling."""
+text cites present in the repository, the README's commands the ones CI runs, no test limited by wall-clock time
+below the hang ceiling, and no test folder named after a package it would hide."""
 
 import ast
 import functools
+import importlib.util
 import re
 import subprocess
 from collections import defaultdict
@@ -54,6 +55,21 @@ def test_no_merge_conflict_markers_are_committed():
         leftovers += [f"{path.relative_to(ROOT)}:{number}" for number, line in enumerate(lines, 1)
                       if line.startswith(MARKERS)]
     assert not leftovers, f"unresolved merge conflicts at {leftovers}"
+
+
+# Packages the model's ecosystem imports by their top-level names, installed or not on this machine: a folder of
+# tests/ with one of these names would stand in for the package in any script run as ``python tests/...``.
+ECOSYSTEM_MODULES = {"kernels", "fla", "triton", "flash_attn", "causal_conv1d", "torchao", "bitsandbytes", "liger_kernel",
+                     "deepspeed", "peft", "trl", "datasets", "accelerate", "safetensors", "tokenizers", "vllm", "sglang"}
+
+
+def test_no_test_folder_or_module_takes_the_name_of_an_importable_package():
+    """``python tests/script.py`` puts tests/ first on the path, so ``tests/kernels/`` once replaced the hub's
+    ``kernels`` package inside transformers' own imports."""
+    entries = {path.stem if path.suffix == ".py" else path.name for path in (ROOT / "tests").iterdir()
+               if not path.name.startswith(("_", ".")) and (path.suffix == ".py" or path.is_dir())}
+    shadowing = sorted(name for name in entries if name in ECOSYSTEM_MODULES or importlib.util.find_spec(name))
+    assert not shadowing, f"tests/ entries named after importable packages: {shadowing}"
 
 
 @functools.cache

@@ -63,7 +63,7 @@ def tanh_from_exp(x: torch.Tensor) -> torch.Tensor:
     """tanh(x) from one ``exp``, for float32 (and narrower, computed in it): ``(1 - e)/(1 + e)`` with
     ``e = exp(-2|x|)``, the sign of ``x``; below |x| = 1/4, where ``1 - e`` would cancel, its Maclaurin series.
     Its relative error is what its own roundings allow, under 3.5 float32 epsilons (at |x| = 1/4, where the exp
-    form is worst conditioned; 1.5 measured), bounded over the float32 range in `tests/kernels/test_fused_situ.py`;
+    form is worst conditioned; 1.5 measured), bounded over the float32 range in `tests/test_kernels/test_fused_situ.py`;
     ±inf give ±1 and NaN stays NaN."""
     magnitude = x.abs()
     e = torch.exp(-2 * magnitude)
