@@ -8,7 +8,7 @@ Attention (arXiv:2505.06708), Attention Residuals (arXiv:2603.15031), and transf
 
 The file imports only torch, transformers and its sibling files (configuration, checkpoint format, KDA kernels, packed
 documents), so a saved folder loads with ``trust_remote_code=True``. Training code attaches from outside, through the
-seams the modules declare (the repository's ``docs/design.md``).
+seams the modules declare (the repository's ``docs/attachments.md``).
 """
 
 import importlib
