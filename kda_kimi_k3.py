@@ -135,6 +135,27 @@ def chunk_kda(
         return _chunk_kda(q, k, v, g, beta, initial_state, chunk_size, gate_lower_bound, document_starts)
 
 
+def unit_lower_triangular_inverse(lower: torch.Tensor) -> torch.Tensor:
+    """(I + L)^-1 for the strictly lower part L of ``lower`` (its diagonal is never read): torch's triangular solve,
+    or, while ``torch.onnx.export`` traces the model, the same forward substitution written row by row, since ONNX has
+    no triangular solve. The loop runs over the chunk's rows, so the exported graph does not grow with the length."""
+    eye = torch.eye(lower.shape[-1], dtype=lower.dtype, device=lower.device)
+    if not torch.onnx.is_in_onnx_export():
+        return torch.linalg.solve_triangular(lower, eye.expand_as(lower), upper=False, unitriangular=True)
+    return forward_substitution_inverse(lower)
+
+
+def forward_substitution_inverse(lower: torch.Tensor) -> torch.Tensor:
+    """Row i of (I + L)^-1 is e_i − Σ_{j<i} L_ij · row j: elementwise products and sums only."""
+    strictly_lower = lower.tril(-1)
+    eye = torch.eye(lower.shape[-1], dtype=lower.dtype, device=lower.device).expand_as(lower)
+    rows = [eye[..., 0, :]]
+    for i in range(1, lower.shape[-1]):
+        done = torch.stack(rows, dim=-2)
+        rows.append(eye[..., i, :] - (strictly_lower[..., i, :i, None] * done).sum(-2))
+    return torch.stack(rows, dim=-2)
+
+
 def _decay_masks(document_starts: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, ...]:
     """Where a decay product crosses no document start, per chunk [B, 1, N, ...] (a head axis to broadcast over).
 
@@ -163,11 +184,7 @@ def _chunk_kda(q, k, v, g, beta, initial_state, chunk_size: int, gate_lower_boun
         query_key, key_key = query_key * same_document, key_key * same_document
         decay, keys_to_end = decay * from_start[..., None], keys_to_end * to_end[..., None]
         chunk_decay = chunk_decay * through_chunk[..., None]
-    eye = torch.eye(chunk_size, dtype=q.dtype, device=q.device)
-    lower = beta[..., None] * key_key
-    # T = (I + L)^-1 by forward substitution on the unit lower-triangular system; ``unitriangular`` reads only the
-    # strictly lower part, L itself, and takes the unit diagonal as given.
-    transform = torch.linalg.solve_triangular(lower, eye.expand_as(lower), upper=False, unitriangular=True)
+    transform = unit_lower_triangular_inverse(beta[..., None] * key_key)
     u = transform @ (beta[..., None] * v)
     w = transform @ (beta[..., None] * k * decay)
     keys_to_end = keys_to_end.transpose(-1, -2)

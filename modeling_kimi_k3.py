@@ -11,6 +11,7 @@ documents), so a saved folder loads with ``trust_remote_code=True``. Training co
 seams the modules declare (the repository's ``docs/attachments.md``).
 """
 
+import functools
 import importlib
 import math
 import os
@@ -31,6 +32,7 @@ from transformers.integrations import (
     use_kernel_func_from_hub_with_fallback,
     use_kernelized_func,
 )
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
@@ -722,7 +724,10 @@ class KimiK3SparseMoeBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
         _, routing_weights, expert_indices = self.gate(tokens)
-        latent = self.experts(self.routed_expert_down_proj(tokens), expert_indices, routing_weights)
+        experts = self.experts
+        if torch.onnx.is_in_onnx_export():  # ONNX translates batched products, not grouped ones or a per-expert loop
+            experts = functools.partial(ALL_EXPERTS_FUNCTIONS["batched_mm"], self.experts)
+        latent = experts(self.routed_expert_down_proj(tokens), expert_indices, routing_weights)
         routed = self.routed_expert_up_proj(self.routed_expert_norm(latent)).view_as(hidden_states)
         if self.shared_experts is None:
             return routed
