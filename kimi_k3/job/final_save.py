@@ -155,6 +155,8 @@ def save_final_model(model, tokenizer, card, target: Path, tag: str | None = Non
     tag = tag or run_folder.new_tag()
     staging = target.with_name(run_folder.staging_name(target.name, tag))
     released = target.with_name(run_folder.staging_name(f"{target.name}-released", tag))
+    if model.config.mla_layer_indices:  # Trainer turns the cache off for training; the saved model decodes with it
+        model.generation_config.use_cache = True
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
@@ -170,6 +172,23 @@ def save_final_model(model, tokenizer, card, target: Path, tag: str | None = Non
         for folder in (staging, released):
             shutil.rmtree(folder, ignore_errors=True)
     return target
+
+
+def holds_final_model(checkpoint: Path, model_dir: Path, layout: str) -> bool:
+    """``model_dir`` holds what the final save makes of ``checkpoint``'s weights, bit for bit: the same tensors, or in
+    the released layout the checkpoint converted as the save converts it (into a staging folder, removed after)."""
+    if layout != "released":
+        return same_weights(checkpoint, model_dir)
+    if not model_dir.is_dir():
+        return False
+    converted = model_dir.with_name(run_folder.staging_name(f"{model_dir.name}-compared", run_folder.new_tag()))
+    try:
+        export_released(checkpoint, converted, progress=False)
+        return same_weights(converted, model_dir)
+    except ValueError:
+        return False
+    finally:
+        shutil.rmtree(converted, ignore_errors=True)
 
 
 def same_weights(first: Path, second: Path) -> bool:

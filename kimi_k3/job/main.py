@@ -51,7 +51,7 @@ from kimi_k3.job.final_save import (
     local_folder_name,
     measure_expert_load,
     print_report,
-    same_weights,
+    holds_final_model,
     save_final_model,
     training_summary,
     weights_as_evaluated,
@@ -192,7 +192,7 @@ def run(trainer, model_args, data_args, blocks, data_description, checkpoint, pu
     finished = finished_step(checkpoint, training_args)
     if finished is None:
         trainer.train(resume_from_checkpoint=checkpoint)
-    elif same_weights(Path(checkpoint), model_dir):
+    elif holds_final_model(Path(checkpoint), model_dir, model_args.final_layout):
         print(f"kimi-k3-train: the run already finished at step {finished} and {model_dir} holds its model; nothing to do")
         return 0
     else:  # killed while saving the final model: finish from the last checkpoint without training a step

@@ -527,6 +527,19 @@ def test_resuming_a_finished_run_trains_no_step_and_leaves_model_bit_identical(t
     assert sorted(path.name for path in run.iterdir()) == RUN_FOLDER
 
 
+def test_resuming_a_finished_released_layout_run_leaves_model_bit_identical(tmp_path):
+    """The final folder holds MXFP4 experts under the released names: the check converts the last checkpoint as the
+    save does and compares, instead of rewriting the folder."""
+    corpus = write_corpus(tmp_path)
+    args = tiny_args(tmp_path / "run", corpus, "--config_overrides", json.dumps(TINY_MODEL | MXFP4_WIDTHS),
+                     "--final_layout", "released", "--max_steps", "4")  # fmt: skip
+    assert run_main(args)[0] == 0
+    before = folder_bytes(tmp_path / "run" / "model")
+    status, printed = run_main([*args, "--resume_from_checkpoint", "True"])
+    assert status == 0 and "already finished at step 4" in printed and "nothing to do" in printed
+    assert folder_bytes(tmp_path / "run" / "model") == before
+
+
 def test_run_killed_during_final_save_resumes_to_the_uninterrupted_model(trained, tmp_path):
     run = shutil.copytree(trained[0], tmp_path / "run")
     shutil.rmtree(run / "model")
@@ -537,6 +550,8 @@ def test_run_killed_during_final_save_resumes_to_the_uninterrupted_model(trained
     assert sorted(path.name for path in run.iterdir()) == RUN_FOLDER
     expected, resumed = weights(trained[0] / "model"), weights(run / "model")
     assert expected.keys() == resumed.keys() and all(torch.equal(expected[key], resumed[key]) for key in expected)
+    for name in ("config.json", "generation_config.json"):  # decoding keeps its cache, as after an uninterrupted run
+        assert (run / "model" / name).read_text() == (trained[0] / "model" / name).read_text()
 
 
 def test_kill_between_the_two_renames_of_model_is_recovered(trained, tmp_path, monkeypatch):
