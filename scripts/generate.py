@@ -71,7 +71,12 @@ def check_local_files(name: str) -> None:
 
 
 def load(name: str, trust_remote_code: bool):
-    tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except Exception as error:  # json, tokenizers and transformers each report a malformed file in their own class
+        if "trust_remote_code" in str(error):
+            raise
+        raise ValueError(f"{name}: its tokenizer files cannot be read (malformed tokenizer.json?): {error}") from None
     model = AutoModelForCausalLM.from_pretrained(name, trust_remote_code=trust_remote_code).eval()
     return tokenizer, model
 

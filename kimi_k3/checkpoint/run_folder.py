@@ -154,9 +154,10 @@ def _same_file(fd: int, path: Path) -> bool:
 # Checks before anything is written
 # ---------------------------------------------------------------------------------------------------------------------
 def check_output_folder(folder: str | Path) -> None:
-    """A job's output folder: writable, and not inside another job's folders (`check_not_nested`)."""
-    check_writable(folder)
+    """A job's output folder: not inside another job's folders (`check_not_nested`, first, since the writability
+    probe creates a file), and writable."""
     check_not_nested(folder)
+    check_writable(folder)
 
 
 def check_writable(folder: str | Path) -> None:

@@ -202,6 +202,15 @@ def test_generate_refuses_a_fifo_tokenizer_or_a_linked_weight_in_one_line_before
     assert f"{folder / 'model.safetensors'} resolves to" in last_error(capsys)
 
 
+def test_generate_names_the_folder_of_a_malformed_tokenizer(trained, tmp_path, capsys):
+    script = generate_script()
+    folder = shutil.copytree(trained[0] / "model", tmp_path / "model")
+    (folder / "tokenizer.json").write_text((trained[0] / "model" / "tokenizer.json").read_text()[:3000])
+    with pytest.raises(SystemExit):
+        script.main([str(folder), "--trust_remote_code"])
+    assert f"error: {folder}: its tokenizer files cannot be read (malformed tokenizer.json?): " in last_error(capsys)
+
+
 def test_generate_runs_the_folders_code_only_with_trust_remote_code(trained, capsys):
     script = generate_script()
     with pytest.raises(SystemExit) as exit_info:
@@ -240,14 +249,14 @@ def test_output_dir_inside_another_jobs_model_or_checkpoint_is_refused_before_an
     shutil.copytree(trained[0], jobs, ignore=shutil.ignore_patterns(run_folder.LOCK_NAME))
     (jobs / "running").mkdir()
     (jobs / "running" / run_folder.LOCK_NAME).write_text("{}")  # a job that has not saved yet
-    before = sorted(jobs.rglob("*"))
+    before = {path: path.stat().st_mtime_ns for path in jobs.rglob("*")}  # a probe file would touch its folder
     assert train.main(tiny_args(jobs / inside, trained[1])) == 2
     enclosing = (jobs / inside).parent if inside.endswith("mine") else jobs / inside
     assert last_error(capsys) == (
         f"kimi-k3-train: error: --output_dir {jobs / inside} lies inside {enclosing}, which the job writing "
         f"{enclosing.parent} replaces or deletes on its next save; choose a folder outside it"
     )
-    assert sorted(jobs.rglob("*")) == before
+    assert {path: path.stat().st_mtime_ns for path in jobs.rglob("*")} == before
 
 
 def test_fine_tuning_from_a_folder_without_weights_or_tokenizer_is_one_line_before_anything_is_written(

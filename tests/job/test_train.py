@@ -970,7 +970,7 @@ def test_final_evaluation_reuses_an_evaluation_the_trainer_ran_at_the_last_step(
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The opt-in Stable LatentMoE variants through --config_overrides (the 150-step runs are in docs/variants.md)
+# The opt-in Stable LatentMoE variants through --config_overrides (the 150-step runs are in ablations/README.md)
 # ---------------------------------------------------------------------------------------------------------------------
 VARIANT_JOBS = {  # the three routing rules exclude each other; the other variants ride along
     "quantile routing, shared basis, attention gates": {"router_score_normalization": "quantile",
