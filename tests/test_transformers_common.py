@@ -22,9 +22,9 @@ from modeling_kimi_k3 import (
     KimiK3ForSequenceClassification,
     KimiK3ForTokenClassification,
     KimiK3Model,
-    KimiK3PreTrainedModel,
 )
 from tests.conftest import TINY_CONFIG
+from tests.mixin_overrides import KimiK3MixinOverrides, lenient_loading
 from tests.transformers_suite import SuiteUnavailable, import_suite
 
 try:
@@ -87,18 +87,6 @@ class KimiK3ModelTester:
 
 
 @contextmanager
-def lenient_loading():
-    """``from_pretrained`` as transformers' own models load: missing tensors initialised and reported, not refused."""
-    strict_from_pretrained = KimiK3PreTrainedModel.from_pretrained.__func__
-
-    def from_pretrained(cls, *args, **kwargs):
-        return strict_from_pretrained(cls, *args, **{"strict": False, **kwargs})
-
-    with mock.patch.object(KimiK3PreTrainedModel, "from_pretrained", classmethod(from_pretrained)):
-        yield
-
-
-@contextmanager
 def registered_with_auto_classes():
     """The Kimi K3 classes in transformers' Auto mappings for the duration, as `register_auto_classes` puts them: some
     mixin tests load through the Auto classes without remote code. Other tests then see the mappings unchanged."""
@@ -142,7 +130,8 @@ KIMI_K3_OVERRIDDEN = {
 }
 
 
-class KimiK3ModelTest(ModelTesterMixin, TrainingTesterMixin, unittest.TestCase):
+class KimiK3ModelTest(KimiK3MixinOverrides, ModelTesterMixin, TrainingTesterMixin, unittest.TestCase):
+    model_tester_class = KimiK3ModelTester
     all_model_classes = (KimiK3Model, KimiK3ForCausalLM, KimiK3ForSequenceClassification, KimiK3ForTokenClassification)
     # The first layer's Block Attention Residual pseudo-queries weigh a single source (the embeddings), so the
     # released checkpoint holds them but they get no gradient there; routed experts that receive no token get none.
@@ -150,34 +139,14 @@ class KimiK3ModelTest(ModelTesterMixin, TrainingTesterMixin, unittest.TestCase):
     # `_init_weights` initialises every parameter and buffer (the flag lets the mixin check that for this model).
     test_can_init_all_missing_weights_before_2023 = True
 
-    def setUp(self):
-        self._model_tester = KimiK3ModelTester(self)
-
-    @property
-    def model_tester(self):
-        return self._model_tester
-
-    @model_tester.setter
-    def model_tester(self, value):
-        self._model_tester = value
-
     def test_correct_missing_keys(self):
-        with lenient_loading():
-            super().test_correct_missing_keys()
+        super().test_correct_missing_keys()
         self.assert_strict_loading_refuses_a_base_folder()
 
     def test_base_model_prefix_loads_base_weights(self):
         with lenient_loading():
             super().test_base_model_prefix_loads_base_weights()
         self.assert_strict_loading_refuses_a_base_folder()
-
-    def test_model_weights_reload_no_missing_tied_weights(self):
-        with lenient_loading():
-            super().test_model_weights_reload_no_missing_tied_weights()
-
-    def test_can_init_all_missing_weights(self):
-        with lenient_loading():
-            super().test_can_init_all_missing_weights()
 
     def test_load_with_mismatched_shapes(self):
         with registered_with_auto_classes(), lenient_loading():

@@ -27,7 +27,7 @@ from transformers.models.auto import modeling_auto  # noqa: E402
 from transformers_tests.test_modeling_common import ModelTesterMixin, ids_tensor  # noqa: E402
 from transformers_tests.test_training_mixin import TrainingTesterMixin  # noqa: E402
 
-from tests.test_transformers_common import lenient_loading  # noqa: E402
+from tests.mixin_overrides import KimiK3MixinOverrides  # noqa: E402
 
 PLACEHOLDER = 96
 
@@ -96,34 +96,11 @@ KIMI_K3_VL_SKIPPED = {
 }
 
 
-class KimiK3VisionModelTest(ModelTesterMixin, TrainingTesterMixin, unittest.TestCase):
+class KimiK3VisionModelTest(KimiK3MixinOverrides, ModelTesterMixin, TrainingTesterMixin, unittest.TestCase):
+    model_tester_class = KimiK3VisionModelTester
     all_model_classes = (KimiK3ForConditionalGeneration,)
     test_all_params_have_gradient = False  # as for the text classes: first-layer AttnRes queries, idle experts
     test_can_init_all_missing_weights_before_2023 = True
-
-    def setUp(self):
-        self._model_tester = KimiK3VisionModelTester(self)
-
-    @property
-    def model_tester(self):
-        return self._model_tester
-
-    @model_tester.setter
-    def model_tester(self, value):
-        self._model_tester = value
-
-    # Loading is strict by default (a missing tensor is refused); the mixins check transformers' lenient behaviour.
-    def test_correct_missing_keys(self):
-        with lenient_loading():
-            super().test_correct_missing_keys()
-
-    def test_model_weights_reload_no_missing_tied_weights(self):
-        with lenient_loading():
-            super().test_model_weights_reload_no_missing_tied_weights()
-
-    def test_can_init_all_missing_weights(self):
-        with lenient_loading():
-            super().test_can_init_all_missing_weights()
 
 
 # Some of these mixin tests are younger than the lowest supported transformers: skip the ones this release has.
