@@ -284,10 +284,11 @@ class KimiK3PatchMergerProjector(nn.Module):
 # ---------------------------------------------------------------------------------------------------------------------
 def merged_token_sources(
     input_ids: torch.Tensor, image_token_counts: torch.Tensor, placeholder_id: int, left_padding: bool
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, L] indices into the rows ``[text tokens (B·S, row-major) ‖ image tokens (N) ‖ one padding row]`` that
     make the merged sequences: each placeholder is replaced by its image's tokens (images in row-major placeholder
-    order), rows of different merged lengths are padded (on the left when ``left_padding``)."""
+    order), rows of different merged lengths are padded (on the left when ``left_padding``). Also [B, S]: where each
+    input token ends up, for a placeholder its image's last token (the one that predicts the next input token)."""
     batch_size, seq_len = input_ids.shape
     is_image = input_ids == placeholder_id
     if int(is_image.sum()) != len(image_token_counts):
@@ -311,7 +312,7 @@ def merged_token_sources(
     offset = torch.arange(total_images, device=input_ids.device)
     within = offset - (image_token_counts.cumsum(0) - image_token_counts).repeat_interleave(image_token_counts)
     sources[image_rows, first + within] = batch_size * seq_len + offset
-    return sources
+    return sources, shift[:, None] + starts + widths - 1
 
 
 def merge_image_tokens(
@@ -321,10 +322,11 @@ def merge_image_tokens(
     config: KimiK3VisionConfig,
     attention_mask: torch.Tensor | None = None,
     labels: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The merged embeddings, attention mask (image tokens attended, padding not) and labels (``ignore_index`` at
-    image tokens and padding). Rows that grow less are padded on the left, where decoding continues from the last
-    token, unless the batch is padded on the right (a zero in the mask's last column), as the release does."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The merged embeddings, attention mask (image tokens attended, padding not), labels (``ignore_index`` at
+    image tokens and padding) and each input token's merged position (`merged_token_sources`). Rows that grow less
+    are padded on the left, where decoding continues from the last token, unless the batch is padded on the right (a
+    zero in the mask's last column), as the release does."""
     for name, tensor in (("attention_mask", attention_mask), ("labels", labels)):
         if tensor is not None and tensor.shape != input_ids.shape:
             raise ValueError(
@@ -332,7 +334,7 @@ def merge_image_tokens(
             )
     counts = torch.tensor([f.shape[0] for f in image_features], device=input_ids.device, dtype=input_ids.dtype)
     left_padding = attention_mask is None or not bool((attention_mask[:, -1] == 0).any())
-    sources = merged_token_sources(input_ids, counts, config.media_placeholder_token_id, left_padding)
+    sources, positions = merged_token_sources(input_ids, counts, config.media_placeholder_token_id, left_padding)
     hidden = inputs_embeds.shape[-1]
     features = torch.cat(image_features).to(inputs_embeds.dtype)
     rows = torch.cat([inputs_embeds.reshape(-1, hidden), features, inputs_embeds.new_zeros(1, hidden)])
@@ -342,7 +344,7 @@ def merge_image_tokens(
     if labels is not None:
         ignored = labels.new_full((features.shape[0] + 1,), config.ignore_index)
         merged_labels = torch.cat([labels.flatten(), ignored])[sources]
-    return rows[sources], mask_rows[sources], merged_labels
+    return rows[sources], mask_rows[sources], merged_labels, positions
 
 
 def repeat_images_per_prompt(pixel_values, grid_thws, input_ids, placeholder_id: int, times: int) -> dict:
@@ -443,23 +445,33 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
         grid_thws (`torch.LongTensor` of shape `(num_images, 3)`, *optional*):
             Frames, rows and columns of patches of each image, in the order of the placeholders in `input_ids`.
         """
-        merged = pixel_values is not None and grid_thws is not None and len(grid_thws) > 0
-        if merged:
-            if input_ids is None:
-                raise ValueError("pixel_values need input_ids: each image replaces a media placeholder token there")
-            if kwargs.get("position_ids") is not None:
-                raise ValueError("position_ids cannot be given with pixel_values: the images change the positions")
-            if inputs_embeds is None:
-                inputs_embeds = self.get_input_embeddings()(input_ids)
-            features = self.get_image_features(pixel_values, grid_thws)
-            inputs_embeds, attention_mask, labels = merge_image_tokens(
-                input_ids, inputs_embeds, features, self.config.vision_config, attention_mask, labels
-            )
-            input_ids = None
+        merged = self.merge_images(input_ids, pixel_values, grid_thws, attention_mask, inputs_embeds, labels, kwargs)
+        if merged is not None:
+            input_ids, inputs_embeds, attention_mask, labels, _ = None, *merged
         outputs = self.language_model(
             input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask, labels=labels, **kwargs
         )
         return KimiK3VLCausalLMOutputWithPast(**outputs, attention_mask=attention_mask if merged else None)
+
+    def merge_images(self, input_ids, pixel_values, grid_thws, attention_mask, inputs_embeds, labels, kwargs):
+        """`merge_image_tokens` on the encoded images: the merged embeddings, attention mask, labels and positions;
+        None without images."""
+        if pixel_values is None or grid_thws is None or len(grid_thws) == 0:
+            return None
+        if input_ids is None:
+            raise ValueError("pixel_values need input_ids: each image replaces a media placeholder token there")
+        if kwargs.get("position_ids") is not None:
+            raise ValueError("position_ids cannot be given with pixel_values: the images change the positions")
+        if inputs_embeds is None:
+            inputs_embeds = self.get_input_embeddings()(input_ids)
+        features = self.get_image_features(pixel_values, grid_thws)
+        return merge_image_tokens(input_ids, inputs_embeds, features, self.config.vision_config, attention_mask, labels)
+
+    @property
+    def base_model(self) -> "KimiK3VisionLanguageBody":
+        """The body without the LM head, as transformers' vision-language models expose it (a view: the tensors keep
+        their released names under ``language_model.``, ``vision_tower.`` and ``mm_projector.``)."""
+        return KimiK3VisionLanguageBody(self)
 
     def _expand_inputs_for_generation(self, expand_size=1, is_encoder_decoder=False, input_ids=None, **model_kwargs):
         """Beams and several sequences per prompt: each prompt's images are repeated with it (transformers repeats
@@ -479,6 +491,35 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
         if outputs.get("attention_mask") is not None and model_kwargs.get("use_cache", True):
             model_kwargs["attention_mask"] = outputs["attention_mask"]
         return super()._update_model_kwargs_for_generation(outputs, model_kwargs, *args, **kwargs)
+
+
+class KimiK3VisionLanguageBody:
+    """``base_model`` of the vision-language model. Called, it is the body without the LM head: the images merged
+    into the text and the decoder stack run, with the hidden states returned at the positions of ``input_ids`` (a
+    placeholder's are its image's last token's), so that code applying the LM head itself to the body's output
+    against labels of the input's length (TRL's fused LM head) scores what the model's own loss scores. Every other
+    attribute is the language model's, the module ``base_model_prefix`` names, which loading and saving address: the
+    released names put the LM head inside it, so no module holds the body alone."""
+
+    def __init__(self, owner: KimiK3ForConditionalGeneration):
+        self.owner = owner
+
+    def __getattr__(self, name: str):
+        if name == "owner":  # not set yet (copy, pickle): no language model to ask
+            raise AttributeError(name)
+        return getattr(self.owner.language_model, name)
+
+    def __call__(self, input_ids=None, pixel_values=None, grid_thws=None, attention_mask=None, inputs_embeds=None,
+                 **kwargs):  # fmt: skip
+        decoder = self.owner.language_model.model
+        merged = self.owner.merge_images(input_ids, pixel_values, grid_thws, attention_mask, inputs_embeds, None, kwargs)
+        if merged is None:
+            return decoder(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs)
+        inputs_embeds, attention_mask, _, positions = merged
+        outputs = decoder(inputs_embeds=inputs_embeds, attention_mask=attention_mask, **kwargs)
+        hidden = outputs.last_hidden_state
+        outputs.last_hidden_state = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))
+        return outputs
 
 
 KimiK3ForConditionalGeneration.register_for_auto_class("AutoModelForImageTextToText")

@@ -251,8 +251,13 @@ def test_merge_puts_each_image_at_its_placeholder(left):
     merged = merge_image_tokens(input_ids, embeds, features, config, attention_mask, labels)
     expected = reference_merge(input_ids, embeds, features, attention_mask, labels, left)
     assert merged[0].shape == (2, 6 + 2 + 4, 32)
-    for actual, wanted in zip(merged, expected):
+    for actual, wanted in zip(merged[:3], expected):
         assert torch.equal(actual, wanted)
+    # Each input token's merged position holds it; a placeholder's holds its image's last token.
+    last_of_image = iter([features[0][-1], features[1][-1]])
+    for row, column in zip(*torch.where(attention_mask.bool())):
+        at = merged[0][row, merged[3][row, column]]
+        assert torch.equal(at, next(last_of_image) if input_ids[row, column] == P else embeds[row, column])
 
 
 def test_merge_refuses_a_placeholder_count_that_does_not_match_the_images():

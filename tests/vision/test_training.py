@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Trainer, TrainingArguments
 
@@ -104,3 +105,54 @@ def test_lora_on_the_tower_and_the_language_model_trains_only_the_adapters(tmp_p
     assert changed and all("lora_B" in name or "lora_A" in name for name in changed), sorted(changed)[:3]
     assert any("vision_tower" in name for name in changed) and any("language_model" in name for name in changed)
     assert all(math.isfinite(loss) for loss in losses)
+
+
+# A chat template for the word-level test tokenizer: each image as its placeholder, each text as itself.
+CHAT_TEMPLATE = ("{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|media_pad|> "
+                 "{% else %}{{ c['text'] }} {% endif %}{% endfor %}{% endfor %}</s>")  # fmt: skip
+
+
+def conversations(count: int) -> Dataset:
+    rows = shapes_dataset(count)
+    return Dataset.from_dict({
+        "images": [[row["image"]] for row in rows],
+        "messages": [[{"role": "user", "content": [{"type": "image"}]},
+                      {"role": "assistant", "content": [{"type": "text", "text": row["text"]}]}] for row in rows],
+    })  # fmt: skip
+
+
+def test_base_model_scores_at_the_input_positions_what_the_model_scores_on_the_merged_sequence():
+    """``base_model`` returns hidden states of the input's length (a placeholder's are its image's last token's): the
+    LM head on them against labels of the input, as TRL's fused head applies it, gives the model's own loss."""
+    model = caption_model().eval()
+    processor = caption_processor()
+    rows = shapes_dataset(3)
+    texts = ["<|media_pad|> a " + rows[0]["text"], "a <|media_pad|> " + rows[1]["text"], "<|media_pad|> a"]
+    batch = processor(images=list(rows["image"]), text=texts, padding=True, padding_side="right")
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    labels[labels == WORDS.index("<|media_pad|>")] = -100  # the model's own loss never predicts an image
+    with torch.no_grad():
+        own = model(**batch, labels=labels).loss
+        hidden = model.base_model(**batch).last_hidden_state
+        logits = model.get_output_embeddings()(hidden)
+    assert hidden.shape[:2] == batch["input_ids"].shape
+    scored = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+    torch.testing.assert_close(scored, own)
+
+
+def test_trl_sft_trainer_fine_tunes_on_image_conversations(tmp_path):
+    """TRL's SFTTrainer with images and a chat template: its collator runs the processor's template, its fused LM
+    head runs ``base_model`` and scores the hidden states itself."""
+    from trl import SFTConfig, SFTTrainer
+
+    processor = caption_processor()
+    processor.chat_template = CHAT_TEMPLATE
+    args = SFTConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=12, learning_rate=1e-2, logging_steps=1,
+        save_strategy="no", report_to=[], use_cpu=True, seed=0, max_length=None,
+    )  # fmt: skip
+    trainer = SFTTrainer(model=caption_model(), args=args, train_dataset=conversations(32), processing_class=processor)
+    trainer.train()
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert all(math.isfinite(loss) for loss in losses)
+    assert sum(losses[-3:]) / 3 < 0.7 * sum(losses[:3]) / 3, losses
