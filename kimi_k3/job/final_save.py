@@ -160,7 +160,8 @@ def save_final_model(model, tokenizer, card, target: Path, tag: str | None = Non
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        card.save(staging / "README.md")
+        if card is not None:
+            card.save(staging / "README.md")
         for name, content in (files or {}).items():
             run_folder.write_new_file(staging / name, content)
         if layout == "released":

@@ -18,7 +18,11 @@ from transformers import HfArgumentParser, Trainer, TrainingArguments, set_seed
 from configuration_kimi_k3 import KimiK3Config
 from configuration_kimi_k3_vision import KimiK3VisionConfig
 from kimi_k3.attachments.seams import find_routers
-from kimi_k3.job.arguments import TRAINING_DEFAULTS, config_overrides
+from kimi_k3.checkpoint import run_folder
+from kimi_k3.job.arguments import TRAINING_DEFAULTS, config_overrides, resolve_checkpoint
+from kimi_k3.job.final_save import FINAL_MODEL_DIR, save_final_model
+from kimi_k3.job.main import claim_output_folder
+from kimi_k3.job.trainer import SaveError
 from kimi_k3.optim.muon import PerHeadMuonFactory
 from kimi_k3.policies.qk_clip import QKClipCallback
 from kimi_k3.policies.quantile_balancing import QuantileBalancingCallback
@@ -63,28 +67,39 @@ class VisionArguments:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the job; bad input exits with status 2 and a one-line message before anything is written."""
+    """Run the job; bad input exits with status 2 and a one-line message before anything is written, a failed final
+    save with status 1, publishing nothing partial. The output folder is the text job's: locked, checked, resumed."""
     datasets.disable_progress_bars()
+    lock = None
     try:
-        args, training_args = parse_args(argv)
-        set_seed(training_args.seed)
-        splits = load_image_text(args, training_args.seed)
-        processor = build_processor(args, splits["train"])
-        model = build_model(args, processor)
-        frozen = train_parts(model, args.vision_train_parts)
-        trainer = build_trainer(args, training_args, model, processor, splits)
-    except ValueError as error:
-        print(f"kimi-k3-train: error: {error}", file=sys.stderr)
-        return 2
-    trainer.train()
-    metrics = trainer.evaluate()
-    folder = Path(training_args.output_dir) / "final_model"
-    model.save_pretrained(folder)
-    processor.save_pretrained(folder)
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    print(f"kimi-k3-train: {trainer.state.global_step} steps, training loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
-          f"eval loss {metrics['eval_loss']:.3f}, {len(frozen)} frozen tensors; saved {folder}")
-    return 0
+        try:
+            args, training_args = parse_args(argv)
+            run_folder.check_output_folder(training_args.output_dir)
+            lock = claim_output_folder(training_args)
+            checkpoint = resolve_checkpoint(training_args)
+            set_seed(training_args.seed)
+            splits = load_image_text(args, training_args.seed)
+            processor = build_processor(args, splits["train"], checkpoint)
+            model = build_model(args, processor)
+            frozen = train_parts(model, args.vision_train_parts)
+            trainer = build_trainer(args, training_args, model, processor, splits)
+        except ValueError as error:
+            print(f"kimi-k3-train: error: {error}", file=sys.stderr)
+            return 2
+        trainer.train(resume_from_checkpoint=checkpoint)
+        metrics = trainer.evaluate()
+        try:
+            folder = save_final_model(model, processor, None, Path(training_args.output_dir) / FINAL_MODEL_DIR)
+        except SaveError as error:
+            print(f"kimi-k3-train: error: {error}", file=sys.stderr)
+            return 1
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        print(f"kimi-k3-train: {trainer.state.global_step} steps, training loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+              f"eval loss {metrics['eval_loss']:.3f}, {len(frozen)} frozen tensors; saved {folder}")
+        return 0
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def parse_args(argv: list[str] | None) -> tuple[VisionArguments, TrainingArguments]:
@@ -117,13 +132,16 @@ def load_image_text(args: VisionArguments, seed: int) -> dict[str, datasets.Data
     return {"train": split["train"], "validation": split["test"]}
 
 
-def build_processor(args: VisionArguments, train_split: datasets.Dataset) -> KimiK3Processor:
-    """The fine-tuned folder's image processor and tokenizer (read without its config.json, which is remote code),
-    else the release's image processor with a BPE tokenizer learnt from the captions and the image placeholder as a
-    special token."""
-    if args.model_name_or_path is not None:
-        folder = args.model_name_or_path
-        return KimiK3Processor(KimiK3ImageProcessor.from_pretrained(folder), load_tokenizer(folder), image_token=IMAGE_TOKEN)
+def build_processor(
+    args: VisionArguments, train_split: datasets.Dataset, checkpoint: str | None = None
+) -> KimiK3Processor:
+    """The resumed checkpoint's or the fine-tuned folder's image processor and tokenizer (read without its
+    config.json, which is remote code), else the release's image processor with a BPE tokenizer learnt from the
+    captions and the image placeholder as a special token."""
+    folder = checkpoint or args.model_name_or_path
+    if folder is not None:
+        image_processor = KimiK3ImageProcessor.from_pretrained(folder)
+        return KimiK3Processor(image_processor, load_tokenizer(folder), image_token=IMAGE_TOKEN)
     tokenizer = train_bpe_tokenizer(train_split[args.text_column], args.tokenizer_vocab_size)
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     return KimiK3Processor(KimiK3ImageProcessor(), tokenizer, image_token=IMAGE_TOKEN)
@@ -149,8 +167,8 @@ def build_trainer(args, training_args, model, processor, splits) -> Trainer:
     callbacks = [QKClipCallback(QK_CLIP_TAU)]
     if find_routers(model):
         callbacks.append(QuantileBalancingCallback(model, per_layer_metrics=False))
-    return Trainer(
+    return Trainer(  # the processor goes into every checkpoint, where a resumed run reads it back
         model=model, args=training_args, train_dataset=splits["train"], eval_dataset=splits["validation"],
-        data_collator=ImageTextCollator(processor, args.image_column, args.text_column),
+        processing_class=processor, data_collator=ImageTextCollator(processor, args.image_column, args.text_column),
         optimizer_cls_and_kwargs=optimizer_cls_and_kwargs, callbacks=callbacks,
     )  # fmt: skip

@@ -3,7 +3,10 @@ refusals in one line."""
 
 import json
 
+import pytest
 import torch
+from safetensors.torch import load_file
+from transformers import Trainer
 
 from kimi_k3.checkpoint.convert import main as convert_main
 from kimi_k3.job import vision
@@ -27,7 +30,7 @@ def test_vl_job_on_the_shapes_lowers_the_loss_and_saves_a_loadable_folder(tmp_pa
     report = capsys.readouterr().out.strip().splitlines()[-1]
     first, last = (float(value) for value in report.split("training loss ")[1].split(",")[0].split(" -> "))
     assert last < 0.7 * first, report
-    folder = tmp_path / "out" / "final_model"
+    folder = tmp_path / "out" / "model"
     model = KimiK3ForConditionalGeneration.from_pretrained(folder)
     processor = vision.build_processor(vision.VisionArguments(model_name_or_path=str(folder)), None)
     image = vision.shapes_dataset(1, seed=5)[0]["image"]
@@ -52,11 +55,37 @@ def test_vl_job_fine_tunes_a_released_layout_folder_with_the_tower_frozen(tmp_pa
     mxfp4_widths = json.dumps({**TINY_MODEL, **MXFP4_SHAPES})  # the released experts are MXFP4: 32-wide groups
     assert vision.main(tiny_job(tmp_path / "first", "--max_steps", "2", "--config_overrides", mxfp4_widths)) == 0
     released = tmp_path / "released"
-    convert_main(["to-release", str(tmp_path / "first" / "final_model"), str(released), "--no_progress"])
+    convert_main(["to-release", str(tmp_path / "first" / "model"), str(released), "--no_progress"])
     tower = KimiK3ForConditionalGeneration.from_pretrained(released).vision_tower.state_dict()
     argv = tiny_job(tmp_path / "second", "--max_steps", "2", "--model_name_or_path", str(released),
                     "--vision_train_parts", "projector_and_language_model")
     assert vision.main(argv) == 0
     assert "frozen tensors" in capsys.readouterr().out
-    tuned = KimiK3ForConditionalGeneration.from_pretrained(tmp_path / "second" / "final_model").vision_tower.state_dict()
+    tuned = KimiK3ForConditionalGeneration.from_pretrained(tmp_path / "second" / "model").vision_tower.state_dict()
     assert all(torch.equal(tuned[name], tower[name]) for name in tower)
+
+
+def test_vl_job_resumes_bit_exactly_and_refuses_a_used_folder_without_resume(tmp_path, capsys, monkeypatch):
+    """Killed after its step-6 checkpoint and resumed, the job ends bitwise where an uninterrupted run ends; its
+    processor (a BPE tokenizer learnt at the start) comes back from the checkpoint."""
+    steps = ("--max_steps", "8", "--save_steps", "6", "--eval_steps", "8")
+    assert vision.main(tiny_job(tmp_path / "whole", *steps)) == 0
+    training_step = Trainer.training_step
+
+    def killed_at_step_7(self, *args, **kwargs):
+        if self.state.global_step == 7:
+            raise KeyboardInterrupt("simulated kill")
+        return training_step(self, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "training_step", killed_at_step_7)
+        with pytest.raises(KeyboardInterrupt):
+            vision.main(tiny_job(tmp_path / "cut", *steps))
+    capsys.readouterr()
+    assert vision.main(tiny_job(tmp_path / "cut", *steps)) == 2
+    assert "already holds checkpoints of another run" in capsys.readouterr().err
+    assert vision.main(tiny_job(tmp_path / "cut", *steps, "--resume_from_checkpoint", "True")) == 0
+    whole = load_file(tmp_path / "whole" / "model" / "model.safetensors")
+    resumed = load_file(tmp_path / "cut" / "model" / "model.safetensors")
+    assert whole.keys() == resumed.keys() and all(torch.equal(whole[name], resumed[name]) for name in whole)
+    assert (tmp_path / "cut" / "model" / "processor_config.json").is_file()
