@@ -1,4 +1,5 @@
-"""Publish a saved model folder with the standard hub client: ``create_repo``, ``create_branch``, then ``upload_folder``.
+"""Publish a saved model folder with the standard hub client: ``create_repo``, ``create_branch``, then ``create_commit``
+of the folder's files, each from a handle opened without following links (what is checked is what is uploaded).
 
 Uploading the folder as it is keeps our README.md; ``model.push_to_hub`` would overwrite it with the hub's card or
 the generic template. A push that fails on the network or on the token ends in one `HubError` whose message names the
@@ -6,15 +7,14 @@ cause and the fix, in the options both commands that push share (``kimi-k3-push`
 ``TrainingArguments`` spells them).
 """
 
-import glob
 import json
 import os
 import stat
 import tempfile
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from huggingface_hub import HfApi, ModelCard, constants, get_session, get_token
+from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, constants, get_session, get_token
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, OfflineModeIsEnabled
 from huggingface_hub.utils import filter_repo_objects
 from transformers.dynamic_module_utils import get_relative_imports
@@ -115,6 +115,30 @@ def published_files(folder: Path) -> list[str]:
     return names
 
 
+def open_published_file(folder: Path, name: str):
+    """``folder / name`` opened for reading without following a link at any step below ``folder``, and refused in
+    one line unless it is a regular file: a file swapped for a link after `published_files` checked it cannot make
+    the upload read the link's target."""
+    *parents, leaf = name.split("/")
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK  # a FIFO opens without waiting for a writer, then is refused
+    descriptors = [os.open(folder, os.O_RDONLY | os.O_DIRECTORY)]
+    try:
+        for part in parents:
+            descriptors.append(os.open(part, flags | os.O_DIRECTORY, dir_fd=descriptors[-1]))
+        descriptor = os.open(leaf, flags, dir_fd=descriptors[-1])
+    except OSError as error:  # ELOOP: a link where a file or folder was
+        reason = os.strerror(error.errno)
+        raise HubError(f"{folder / name} changed after it was checked ({reason}); push again") from None
+    finally:
+        for directory in descriptors:
+            os.close(directory)
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise HubError(f"{folder / name} changed after it was checked (no longer a regular file); push again")
+    os.set_blocking(descriptor, True)
+    return os.fdopen(descriptor, "rb")
+
+
 def check_finite_weights(folder: Path) -> None:
     """A diverged model is never published."""
     try:
@@ -153,19 +177,15 @@ def push_folder(
     """
     folder = Path(folder)
     check_publishable(folder)
-    published_files(folder)  # refused before the repository is created
-    with failures_explained(api, repo_id, timeout):
+    with ExitStack() as opened, failures_explained(api, repo_id, timeout):
+        # Checked and opened before the repository is created; the upload reads these handles, nothing else.
+        files = {name: opened.enter_context(open_published_file(folder, name)) for name in published_files(folder)}
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
         if revision is not None and not revision.startswith(PULL_REQUEST_REF):
             api.create_branch(repo_id, branch=revision, exist_ok=True)
-        commit = api.upload_folder(
-            repo_id=repo_id,
-            folder_path=folder,
-            commit_message=commit_message,
-            allow_patterns=[glob.escape(name) for name in published_files(folder)],  # exactly the checked files
-            ignore_patterns=TRAINING_STATE_PATTERNS,
-            revision=revision,
-            create_pr=create_pr,
+        operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=file) for name, file in files.items()]
+        commit = api.create_commit(
+            repo_id, operations, commit_message=commit_message, revision=revision, create_pr=create_pr
         )
     where = repo_id if revision is None else f"{repo_id}, branch {revision}"
     return f"{where}, pull request {commit.pr_url}" if create_pr else where

@@ -5,7 +5,7 @@
     kimi-k3-push outputs/kimi-k3-small/model --hub_model_id someone/kimi-k3-small --create_pr
     kimi-k3-push outputs/kimi-k3-small/model --hub_model_id you/kimi-k3-small --hub_revision lr-3e-3
 
-Uploads code, config, weights, tokenizer and the card's picture with HfApi.create_repo + upload_folder, never Trainer
+Uploads code, config, weights, tokenizer and the card's picture with HfApi.create_repo + create_commit, never Trainer
 state (optimizer, scheduler, RNG). A folder without a README.md (e.g. checkpoint-N) first gets our card, with the
 architecture and parameter counts; our card is published under --hub_model_id (its name, title and usage snippet),
 and --license sets its license either way. The token comes from --hub_token, HF_TOKEN or `hf auth login`. The hub

@@ -107,9 +107,10 @@ class FakeHfApi:
     def create_commit(self, repo_id, operations, **kwargs):
         """What transformers' own ``push_to_hub`` calls, through its shared client."""
         self._record("create_commit", repo_id, operations, **kwargs)
-        return self._commit(repo_id, {op.path_in_repo: Path(op.path_or_fileobj) for op in operations}, kwargs)
+        return self._commit(repo_id, {op.path_in_repo: op.path_or_fileobj for op in operations}, kwargs)
 
-    def _commit(self, repo_id: str, files: dict[str, Path], kwargs: dict) -> CommitInfo:
+    def _commit(self, repo_id: str, files: dict, kwargs: dict) -> CommitInfo:
+        """``files``: name -> a path, or an open binary file (read from where it is, as the hub client does)."""
         revision = kwargs.get("revision")
         if revision not in (None, "main") and (repo_id, revision) not in self.branches:
             raise AssertionError(f"upload to branch {revision} of {repo_id}, which was never created")
@@ -121,7 +122,10 @@ class FakeHfApi:
         for name, source in files.items():
             target = remote / name
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(source, target)
+            if isinstance(source, (str, Path)):
+                shutil.copyfile(source, target)
+            else:
+                target.write_bytes(source.read())
         return CommitInfo(commit_url=f"{self.endpoint}/{repo_id}/commit/0", commit_message=kwargs.get("commit_message"),
                           commit_description="", oid="0" * 40, pr_url=pr_url)
 
@@ -197,7 +201,7 @@ def test_push_model_of_a_trained_folder_uploads_its_card_and_keeps_a_card_the_re
 
 def test_push_uploads_code_config_weights_tokenizer_and_our_card(pushed):
     run, remote, api = pushed
-    assert [name for name, _ in api.calls] == ["whoami", "create_repo", "upload_folder"]  # the token before training
+    assert [name for name, _ in api.calls] == ["whoami", "create_repo", "create_commit"]  # the token before training
     assert {path.name for path in remote.iterdir()} == TRAINED_MODEL_FILES
     assert (remote / "README.md").read_bytes() == (run / "model" / "README.md").read_bytes()
     card = ModelCard.load(remote / "README.md")
@@ -311,7 +315,7 @@ def test_push_script_commits_to_a_new_branch_or_opens_a_pull_request(pushed, fak
 
     assert push([model, "--hub_model_id", REPO_ID, "--create_pr"]) == 0
     assert push([model, "--hub_model_id", REPO_ID, "--hub_revision", "lr-sweep", "--create_pr"]) == 0
-    uploads = [kwargs for name, kwargs in fake_hub.calls if name == "upload_folder"]
+    uploads = [kwargs for name, kwargs in fake_hub.calls if name == "create_commit"]
     assert [(u["revision"], u["create_pr"]) for u in uploads] == [("lr-sweep", False), (None, True), ("lr-sweep", True)]
     assert {path.name for path in (fake_hub.root / f"{REPO_ID}@refs/pr/2").iterdir()} == TRAINED_MODEL_FILES
     assert not any((fake_hub.root / REPO_ID).iterdir())

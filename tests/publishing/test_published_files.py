@@ -3,10 +3,12 @@ which would upload its target's contents under its own name, or a FIFO is refuse
 repository is created."""
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
+from kimi_k3.publishing import hub
 from kimi_k3.publishing.push import main as push_main
 from modeling_kimi_k3 import KimiK3ForCausalLM
 from tests.conftest import tiny_config
@@ -56,3 +58,32 @@ def test_push_uploads_exactly_the_regular_files_less_trainer_state_and_hidden_fi
     assert push_main([str(folder), "--hub_model_id", REPO_ID]) == 0
     expected = {path.name for path in folder.iterdir() if path.is_file() and path.name != "optimizer.pt"}
     assert uploaded(fake_hub) == expected | {"extra/notes[1].txt"}
+
+
+@pytest.mark.parametrize("swapped", ["config.json", "extra/notes.txt", "extra"])
+def test_a_file_or_folder_swapped_for_a_link_after_the_check_is_refused_before_anything_is_uploaded(
+    folder, fake_hub, tmp_path, monkeypatch, capsys, swapped
+):
+    """The upload reads handles opened without following links, so what was checked is what is sent."""
+    (folder / "extra").mkdir()
+    (folder / "extra" / "notes.txt").write_text("notes")
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "notes.txt").write_text("hf_secret")
+    checked = hub.published_files
+
+    def checked_then_swapped(checked_folder):
+        names = checked(checked_folder)
+        target = folder / swapped
+        if target.is_dir():
+            shutil.rmtree(target)
+        else:
+            target.unlink()
+        target.symlink_to(secret if swapped == "extra" else secret / "notes.txt")
+        return names
+
+    monkeypatch.setattr(hub, "published_files", checked_then_swapped)
+    assert push_main([str(folder), "--hub_model_id", REPO_ID]) == 2
+    error = capsys.readouterr().err
+    assert "changed after it was checked" in error and len(error.strip().splitlines()) == 1
+    assert fake_hub.calls == []
