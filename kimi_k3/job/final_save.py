@@ -2,6 +2,8 @@
 card and the console report about the run."""
 
 import contextlib
+import hashlib
+import json
 import math
 import os
 import shutil
@@ -9,13 +11,12 @@ from pathlib import Path
 
 import datasets
 import torch
-from safetensors import safe_open
 from transformers import Trainer
 
 from kimi_k3.attachments.padding import masked_counts
 from kimi_k3.attachments.seams import find_routers
 from kimi_k3.checkpoint import run_folder
-from kimi_k3.checkpoint.release_format import checkpoint_shard_files, export_released
+from kimi_k3.checkpoint.release_format import export_released
 from kimi_k3.job import expert_load
 from kimi_k3.job.arguments import ModelArguments, parse_qk_clip_tau
 from kimi_k3.job.expert_load import ExpertLoadRecorder
@@ -27,6 +28,8 @@ from kimi_k3.publishing.model_card import TrainingSummary
 from kimi_k3.quantization.qat import weights_on_mxfp4_grid
 
 FINAL_MODEL_DIR = "model"
+# Inside the final folder: the checkpoint it was made from (hidden, so never published).
+MADE_FROM_NAME = ".kimi-k3-made-from.json"
 
 
 @torch.no_grad()
@@ -143,10 +146,11 @@ def local_folder_name(model_dir: Path) -> str:
 
 
 def save_final_model(model, tokenizer, card, target: Path, tag: str | None = None, layout: str = "ours",
-                     files: dict[str, bytes] | None = None) -> Path:
+                     files: dict[str, bytes] | None = None, made_from: Path | None = None) -> Path:
     """Model, code, tokenizer, card and ``files`` (name -> content, e.g. the card's picture) written to a unique
     sibling staging folder, then swapped in (see `run_folder.replace_folder`); a failure raises `SaveError` and leaves
-    any previous ``target`` whole.
+    any previous ``target`` whole. ``made_from``, the checkpoint of the saved weights, is recorded in the folder
+    (`made_from_record`), so that running the finished job again knows the folder is its result.
 
     ``layout="released"`` converts the staged folder to the released layout (MXFP4 experts) before the swap; the
     folder holds whatever the model's parameters are (for a QAT run, save inside `weights_as_evaluated`).
@@ -166,7 +170,10 @@ def save_final_model(model, tokenizer, card, target: Path, tag: str | None = Non
             run_folder.write_new_file(staging / name, content)
         if layout == "released":
             export_released(staging, released, progress=False)
-        run_folder.replace_folder(released if layout == "released" else staging, target)
+        finished = released if layout == "released" else staging
+        if made_from is not None:
+            run_folder.write_new_file(finished / MADE_FROM_NAME, json.dumps(made_from_record(made_from)).encode())
+        run_folder.replace_folder(finished, target)
     except Exception as error:
         raise SaveError(save_failure(target.name, target.parent, error)) from error
     finally:
@@ -175,34 +182,20 @@ def save_final_model(model, tokenizer, card, target: Path, tag: str | None = Non
     return target
 
 
-def holds_final_model(checkpoint: Path, model_dir: Path, layout: str) -> bool:
-    """``model_dir`` holds what the final save makes of ``checkpoint``'s weights, bit for bit: the same tensors, or in
-    the released layout the checkpoint converted as the save converts it (into a staging folder, removed after)."""
-    if layout != "released":
-        return same_weights(checkpoint, model_dir)
-    if not model_dir.is_dir():
-        return False
-    converted = model_dir.with_name(run_folder.staging_name(f"{model_dir.name}-compared", run_folder.new_tag()))
-    try:
-        export_released(checkpoint, converted, progress=False)
-        return same_weights(converted, model_dir)
-    except ValueError:
-        return False
-    finally:
-        shutil.rmtree(converted, ignore_errors=True)
+def made_from_record(checkpoint: Path) -> dict[str, str]:
+    """A checkpoint's identity: its folder name and a hash of its Trainer state (steps, logs, callbacks' records)."""
+    state = hashlib.sha256((checkpoint / "trainer_state.json").read_bytes()).hexdigest()
+    return {"checkpoint": checkpoint.name, "trainer_state_sha256": state}
 
 
-def same_weights(first: Path, second: Path) -> bool:
-    """Both folders hold the same tensors, bit for bit (read one tensor at a time)."""
+def holds_final_model(checkpoint: Path, model_dir: Path) -> bool:
+    """``model_dir`` is what the final save made of ``checkpoint``: it records that checkpoint (the folder is
+    swapped in whole, so a folder with the record is complete, in whichever layout and precision it was saved)."""
     try:
-        files = [checkpoint_shard_files(folder) for folder in (first, second)]
-    except ValueError:
+        recorded = json.loads((model_dir / MADE_FROM_NAME).read_text())
+    except (OSError, ValueError):
         return False
-    handles = [[safe_open(path, framework="pt") for path in paths] for paths in files]
-    tensors = [{name: handle for handle in group for name in handle.keys()} for group in handles]
-    if tensors[0].keys() != tensors[1].keys():
-        return False
-    return all(torch.equal(tensors[0][name].get_tensor(name), tensors[1][name].get_tensor(name)) for name in tensors[0])
+    return recorded == made_from_record(checkpoint)
 
 
 def print_report(summary: TrainingSummary, model_dir: Path) -> None:

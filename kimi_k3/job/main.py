@@ -15,6 +15,7 @@ import datasets
 from accelerate.utils import broadcast_object_list
 from huggingface_hub.errors import StrictDataclassError
 from transformers import TrainerState, TrainingArguments, default_data_collator, set_seed
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from configuration_kimi_k3 import KimiK3Config
 from kimi_k3.attachments.seams import find_routed_experts, find_routers
@@ -192,7 +193,7 @@ def run(trainer, model_args, data_args, blocks, data_description, checkpoint, pu
     finished = finished_step(checkpoint, training_args)
     if finished is None:
         trainer.train(resume_from_checkpoint=checkpoint)
-    elif holds_final_model(Path(checkpoint), model_dir, model_args.final_layout):
+    elif holds_final_model(Path(checkpoint), model_dir):
         print(f"kimi-k3-train: the run already finished at step {finished} and {model_dir} holds its model; nothing to do")
         return 0
     else:  # killed while saving the final model: finish from the last checkpoint without training a step
@@ -218,7 +219,7 @@ def run(trainer, model_args, data_args, blocks, data_description, checkpoint, pu
     with weights_as_evaluated(model_args, trainer.model):
         model_dir = save_final_model(
             trainer.model, trainer.processing_class, card, model_dir, trainer.staging_tag, model_args.final_layout,
-            {expert_load.PNG_NAME: picture} if picture else None,
+            {expert_load.PNG_NAME: picture} if picture else None, final_checkpoint(trainer),
         )
     if picture:
         write_file_atomically(model_dir.parent / expert_load.PNG_NAME, picture, trainer.staging_tag)
@@ -233,6 +234,12 @@ def run(trainer, model_args, data_args, blocks, data_description, checkpoint, pu
             return 1
         print(f"pushed {model_dir} to {pushed}")
     return 0
+
+
+def final_checkpoint(trainer) -> Path | None:
+    """The checkpoint Trainer saved at the last step, which the final model is made from."""
+    checkpoint = Path(trainer.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+    return checkpoint if checkpoint.is_dir() else None
 
 
 def claim_output_folder(training_args: TrainingArguments) -> run_folder.OutputFolderLock | None:

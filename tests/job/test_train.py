@@ -528,8 +528,8 @@ def test_resuming_a_finished_run_trains_no_step_and_leaves_model_bit_identical(t
 
 
 def test_resuming_a_finished_released_layout_run_leaves_model_bit_identical(tmp_path):
-    """The final folder holds MXFP4 experts under the released names: the check converts the last checkpoint as the
-    save does and compares, instead of rewriting the folder."""
+    """The final folder holds MXFP4 experts under the released names, so its tensors are not the checkpoint's: it
+    records the checkpoint it was made from, and a run that ends at that checkpoint leaves it alone."""
     corpus = write_corpus(tmp_path)
     args = tiny_args(tmp_path / "run", corpus, "--config_overrides", json.dumps(TINY_MODEL | MXFP4_WIDTHS),
                      "--final_layout", "released", "--max_steps", "4")  # fmt: skip

@@ -319,6 +319,12 @@ def test_qat_training_job_resumes_bit_exactly_and_ships_what_it_evaluated(tmp_pa
         assert torch.equal(bits(shipped(inputs).logits), bits(master(inputs).logits))
     assert (tmp_path / "run" / "model" / "tokenizer.json").is_file()
 
+    # Running the finished job again: its folder records the last checkpoint, so nothing is rewritten.
+    before = {path.name: path.read_bytes() for path in (tmp_path / "run" / "model").iterdir()}
+    status, printed = run_main(qat_run_args(tmp_path / "run", corpus, "--resume_from_checkpoint", "True"))
+    assert status == 0 and "nothing to do" in printed
+    assert {path.name: path.read_bytes() for path in (tmp_path / "run" / "model").iterdir()} == before
+
 
 QAT_BAD_INPUTS = {
     "model without routed experts": (["--config_overrides", json.dumps(TINY_MODEL | {"num_experts": None}),
