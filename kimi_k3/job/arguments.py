@@ -270,7 +270,11 @@ class UsageError(ValueError):
 
 
 def parse_args(argv: list[str] | None) -> tuple[ModelArguments, DataArguments, CardArguments, TrainingArguments]:
-    parser = HfArgumentParser((ModelArguments, DataArguments, CardArguments, TrainingArguments), prog="kimi-k3-train")
+    parser = HfArgumentParser(
+        (ModelArguments, DataArguments, CardArguments, TrainingArguments), prog="kimi-k3-train",
+        epilog="With --image_text_dataset the command is the vision-language job, with options of its own: "
+               "kimi-k3-train --image_text_dataset shapes --help lists them.",
+    )  # fmt: skip
     parser.set_defaults(**TRAINING_DEFAULTS)
     # HfArgumentParser gives a boolean's `--no_*` complement the field's own help text; say what the switch does.
     complements = {

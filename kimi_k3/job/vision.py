@@ -22,6 +22,7 @@ from kimi_k3.checkpoint import run_folder
 from kimi_k3.job.arguments import TRAINING_DEFAULTS, config_overrides, resolve_checkpoint
 from kimi_k3.job.final_save import FINAL_MODEL_DIR, save_final_model
 from kimi_k3.job.main import claim_output_folder
+from kimi_k3.job.threads import choose_intra_op_threads
 from kimi_k3.job.trainer import SaveError
 from kimi_k3.optim.muon import PerHeadMuonFactory
 from kimi_k3.policies.qk_clip import QKClipCallback
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             run_folder.check_output_folder(training_args.output_dir)
             lock = claim_output_folder(training_args)
             checkpoint = resolve_checkpoint(training_args)
+            print(f"kimi-k3-train: {choose_intra_op_threads()}")  # before data loading starts threads of its own
             set_seed(training_args.seed)
             splits = load_image_text(args, training_args.seed)
             processor = build_processor(args, splits["train"], checkpoint)
