@@ -20,13 +20,14 @@ from configuration_kimi_k3_vision import KimiK3VisionConfig
 from kimi_k3.attachments.seams import find_routers
 from kimi_k3.checkpoint import run_folder
 from kimi_k3.job.arguments import TRAINING_DEFAULTS, config_overrides, resolve_checkpoint
-from kimi_k3.job.final_save import FINAL_MODEL_DIR, save_final_model
+from kimi_k3.job.final_save import FINAL_MODEL_DIR, local_folder_name, save_final_model
 from kimi_k3.job.main import claim_output_folder
 from kimi_k3.job.threads import choose_intra_op_threads
 from kimi_k3.job.trainer import SaveError
 from kimi_k3.optim.muon import PerHeadMuonFactory
 from kimi_k3.policies.qk_clip import QKClipCallback
 from kimi_k3.policies.quantile_balancing import QuantileBalancingCallback
+from kimi_k3.publishing.model_card import render_model_card
 from kimi_k3.text.tokenizer import load_tokenizer, train_bpe_tokenizer
 from kimi_k3.vision.data import ImageTextCollator, check_columns, image_folder_dataset
 from kimi_k3.vision.freezing import TRAINED_PARTS, train_parts
@@ -90,8 +91,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         trainer.train(resume_from_checkpoint=checkpoint)
         metrics = trainer.evaluate()
+        model_dir = Path(training_args.output_dir) / FINAL_MODEL_DIR
+        card = render_model_card(model, Path(training_args.output_dir).name, local_folder=local_folder_name(model_dir))
         try:
-            folder = save_final_model(model, processor, None, Path(training_args.output_dir) / FINAL_MODEL_DIR)
+            folder = save_final_model(model, processor, card, model_dir)
         except SaveError as error:
             print(f"kimi-k3-train: error: {error}", file=sys.stderr)
             return 1

@@ -25,6 +25,7 @@ from huggingface_hub.utils import validate_repo_id
 
 from configuration_kimi_k3 import KimiK3Config
 from kimi_k3.publishing.hub_licenses import HUB_LICENSE_IDS
+from modeling_kimi_k3_vision import KimiK3ForConditionalGeneration
 from variants_kimi_k3 import causal_lm_class
 
 # Package data, so the template ships in the wheel and is found in any install, not only in a source checkout.
@@ -32,7 +33,9 @@ TEMPLATE_PATH = files("kimi_k3.publishing") / "templates" / "model_card.md"
 # The card's last section, rendered on its own so that a published card can name its hub repository.
 USAGE_TEMPLATE_PATH = files("kimi_k3.publishing") / "templates" / "model_card_usage.md"
 USAGE_HEADING = "\n## Usage\n"
-TAGS = ["custom_code", "kimi_k3", "moe", "text-generation"]
+TAGS = ["custom_code", "kimi_k3", "moe"]
+# The hub task of a text model and of one with the vision tower (KimiK3ForConditionalGeneration).
+TEXT_PIPELINE, VISION_PIPELINE = "text-generation", "image-text-to-text"
 # Columns of the per-layer load-balance table: metric key of balance_metrics.load_balance_metrics -> header.
 BALANCE_COLUMNS = {
     "max_vio": "MaxVio",
@@ -252,8 +255,10 @@ def metadata_problems(data: dict) -> list[str]:
     problems = license_problems(data)
     if data.get("library_name") != "transformers":
         problems.append(f"library_name must be transformers, got {data.get('library_name')!r}")
-    if data.get("pipeline_tag") != "text-generation":
-        problems.append(f"pipeline_tag must be text-generation, got {data.get('pipeline_tag')!r}")
+    if data.get("pipeline_tag") not in (TEXT_PIPELINE, VISION_PIPELINE):
+        problems.append(
+            f"pipeline_tag must be {TEXT_PIPELINE} or {VISION_PIPELINE}, got {data.get('pipeline_tag')!r}"
+        )
     for key, valid, what in (
         ("base_model", is_repo_id, "a hub model id"),
         ("datasets", is_repo_id, "a hub dataset id"),
@@ -288,8 +293,9 @@ def render_model_card(
     if isinstance(template_path, (str, os.PathLike)):
         template_path = Path(template_path)
     metadata = metadata or {}
+    pipeline = pipeline_of(model.config)
     card_data = ModelCardData(
-        library_name="transformers", pipeline_tag="text-generation", tags=TAGS, model_name=name, **metadata
+        library_name="transformers", pipeline_tag=pipeline, tags=[*TAGS, pipeline], model_name=name, **metadata
     )
     summary = asdict(summary) if summary else None
     if summary and summary["base_model"]:
@@ -310,14 +316,20 @@ def render_model_card(
         balance_columns=BALANCE_COLUMNS,
         balance_rows=balance_rows,
         expert_load_image=expert_load_image,
-        usage=usage_section(local_folder or name, local=local_folder is not None),
+        usage=usage_section(local_folder or name, local=local_folder is not None, pipeline=pipeline),
     )
 
 
-def usage_section(load_from: str, local: bool = False) -> str:
-    """The card's closing ``## Usage`` section, loading ``load_from`` (a hub id, or with ``local`` a folder path)."""
+def pipeline_of(config) -> str:
+    """The hub task of a model with ``config``: image-text-to-text when it has the vision tower."""
+    return VISION_PIPELINE if getattr(config, "vision_config", None) is not None else TEXT_PIPELINE
+
+
+def usage_section(load_from: str, local: bool = False, pipeline: str = TEXT_PIPELINE) -> str:
+    """The card's closing ``## Usage`` section, loading ``load_from`` (a hub id, or with ``local`` a folder path) with
+    the Auto classes of ``pipeline``."""
     template = jinja2.Template(USAGE_TEMPLATE_PATH.read_text(encoding="utf-8"), keep_trailing_newline=True)
-    return template.render(load_from=load_from, local=local)
+    return template.render(load_from=load_from, local=local, vision=pipeline == VISION_PIPELINE)
 
 
 def name_card_for_repo(readme: Path, repo_id: str) -> None:
@@ -330,7 +342,8 @@ def name_card_for_repo(readme: Path, repo_id: str) -> None:
     if not title.search(body):
         raise ValueError(f"{readme} has no '# ' title to name {repo_id}")
     card.data.model_name = repo_id
-    card.text = title.sub(lambda _: f"# {repo_id}", body, count=1) + "\n" + usage_section(repo_id)
+    usage = usage_section(repo_id, pipeline=card.data.pipeline_tag or TEXT_PIPELINE)
+    card.text = title.sub(lambda _: f"# {repo_id}", body, count=1) + "\n" + usage
     card.save(readme)
 
 
@@ -338,7 +351,8 @@ def card_for_folder(folder: Path, name: str, metadata: dict[str, object] | None 
     """Card of a saved folder without training records (e.g. ``checkpoint-N``): architecture and parameters only."""
     with torch.device("meta"):  # parameter counts need shapes, not weights
         config = KimiK3Config.from_pretrained(folder)
-        model = causal_lm_class(config)(config)
+        model_class = KimiK3ForConditionalGeneration if config.vision_config is not None else causal_lm_class(config)
+        model = model_class(config)
     return render_model_card(model, name, metadata=metadata)
 
 

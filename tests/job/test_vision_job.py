@@ -5,14 +5,18 @@ import json
 
 import pytest
 import torch
+from huggingface_hub import ModelCard
 from safetensors.torch import load_file
 from transformers import Trainer
 
 from kimi_k3.checkpoint.convert import main as convert_main
 from kimi_k3.job import vision
+from kimi_k3.publishing import hub
+from kimi_k3.publishing.model_card import metadata_problems
 from modeling_kimi_k3_vision import KimiK3ForConditionalGeneration
 from tests.checkpoint.test_release_format import MXFP4_SHAPES
 from tests.job.test_train import TINY_MODEL
+from tests.publishing.test_hub import FakeHfApi
 
 
 def tiny_job(output_dir, *extra: str) -> list[str]:
@@ -37,6 +41,12 @@ def test_vl_job_on_the_shapes_lowers_the_loss_and_saves_a_loadable_folder(tmp_pa
     inputs = processor(images=[image], text=["<|media_pad|> a"])
     with torch.no_grad():
         assert torch.isfinite(model(**inputs).logits).all()
+    card = ModelCard.load(folder / "README.md")  # a card for the task the folder does, so kimi-k3-push publishes it
+    assert card.data.pipeline_tag == "image-text-to-text" and "AutoModelForImageTextToText" in card.text
+    assert metadata_problems(card.data.to_dict()) == []
+    hub.push_folder(folder, "someone/vl", FakeHfApi(tmp_path / "hub"))
+    published = {path.name for path in (tmp_path / "hub" / "someone" / "vl").iterdir()}
+    assert {"modeling_kimi_k3_vision.py", "processing_kimi_k3.py", "README.md", "processor_config.json"} <= published
 
 
 def test_vl_job_refuses_bad_input_in_one_line(tmp_path, capsys):

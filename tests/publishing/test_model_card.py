@@ -22,7 +22,9 @@ from kimi_k3.publishing.model_card import (
     render_model_card,
 )
 from modeling_kimi_k3 import KimiK3ForCausalLM
+from modeling_kimi_k3_vision import KimiK3ForConditionalGeneration
 from tests.conftest import tiny_config
+from tests.test_modeling_vision import tiny_vl_config
 from variants_kimi_k3 import KimiK3VariantForCausalLM
 
 
@@ -148,6 +150,21 @@ def test_usage_snippet_loads_the_hub_id_or_the_local_folder_and_renaming_points_
     assert "outputs/run/model" not in renamed.text and "relative to" not in renamed.text
     assert "| first training loss | 5.000 |" in renamed.text  # the rest of the card is kept
     assert renamed.text == ModelCard(str(render_model_card(tiny_model(), "someone/renamed", summary()))).text
+
+
+def test_a_vision_language_card_names_its_task_and_loads_with_the_image_classes_after_renaming(tmp_path):
+    with torch.device("meta"):
+        model = KimiK3ForConditionalGeneration(tiny_vl_config())
+    card = render_model_card(model, "run", summary(), local_folder="outputs/run/model")
+    assert card.data.pipeline_tag == "image-text-to-text" and "image-text-to-text" in card.data.tags
+    assert metadata_problems(card.data.to_dict()) == [] and "MoonViT3d vision tower" in card.text
+    assert 'AutoModelForImageTextToText.from_pretrained("outputs/run/model"' in card.text
+    card.save(tmp_path / "README.md")
+    name_card_for_repo(tmp_path / "README.md", "someone/vl")
+    renamed = ModelCard.load(tmp_path / "README.md")
+    assert 'AutoProcessor.from_pretrained("someone/vl", trust_remote_code=True)' in renamed.text
+    assert "AutoModelForCausalLM" not in renamed.text
+    assert "pipeline_tag must be" in metadata_problems({**renamed.data.to_dict(), "pipeline_tag": "translation"})[0]
 
 
 HUB_REJECTS = {
