@@ -139,10 +139,10 @@ def unit_lower_triangular_inverse(lower: torch.Tensor) -> torch.Tensor:
     """(I + L)^-1 for the strictly lower part L of ``lower`` (its diagonal is never read): torch's triangular solve,
     or, while ``torch.onnx.export`` traces the model, the same forward substitution written row by row, since ONNX has
     no triangular solve. The loop runs over the chunk's rows, so the exported graph does not grow with the length."""
-    eye = torch.eye(lower.shape[-1], dtype=lower.dtype, device=lower.device)
-    if not torch.onnx.is_in_onnx_export():
-        return torch.linalg.solve_triangular(lower, eye.expand_as(lower), upper=False, unitriangular=True)
-    return forward_substitution_inverse(lower)
+    if torch.onnx.is_in_onnx_export():
+        return forward_substitution_inverse(lower)
+    eye = torch.eye(lower.shape[-1], dtype=lower.dtype, device=lower.device).expand_as(lower)
+    return torch.linalg.solve_triangular(lower, eye, upper=False, unitriangular=True)
 
 
 def forward_substitution_inverse(lower: torch.Tensor) -> torch.Tensor:

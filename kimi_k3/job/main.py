@@ -49,10 +49,10 @@ from kimi_k3.job.launch import announce_parallelism
 from kimi_k3.job.final_save import (
     FINAL_MODEL_DIR,
     expert_load_picture,
+    holds_final_model,
     local_folder_name,
     measure_expert_load,
     print_report,
-    holds_final_model,
     save_final_model,
     training_summary,
     weights_as_evaluated,

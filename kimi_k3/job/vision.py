@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         trainer.train(resume_from_checkpoint=checkpoint)
         metrics = trainer.evaluate()
+        if not trainer.is_world_process_zero():  # one process writes the final folder
+            return 0
         model_dir = Path(training_args.output_dir) / FINAL_MODEL_DIR
         card = render_model_card(model, Path(training_args.output_dir).name, local_folder=local_folder_name(model_dir))
         try:
