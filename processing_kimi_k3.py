@@ -172,8 +172,8 @@ class KimiK3Processor(ProcessorMixin):
     def __call__(self, images=None, text=None, return_tensors="pt", **kwargs) -> BatchFeature:
         texts = [text] if isinstance(text, str) else list(text or [])
         images = [] if images is None else (images if isinstance(images, (list, tuple)) else [images])
-        if any(isinstance(image, (list, tuple)) for image in images):  # one list per text, as TRL's collators pass
-            images = [image for per_text in images for image in per_text]
+        # One list per text, as TRL's collators pass them, flattened in order (single images may sit between them).
+        images = [image for entry in images for image in (entry if isinstance(entry, (list, tuple)) else [entry])]
         placeholders = sum(prompt.count(self.image_token) for prompt in texts)
         if placeholders != len(images):
             raise ValueError(

@@ -109,6 +109,10 @@ def test_processor_checks_placeholders_and_batches_text_and_images():
     assert out["pixel_values"].shape == (8 + 12, 3, 14, 14)
     with pytest.raises(ValueError, match="holds 1 <\\|media_pad\\|> placeholder\\(s\\) for 2 image"):
         processor(images=images, text="a <|media_pad|>")
+    # One list of images per text (TRL's collators pass them so): the same batch as the flat list.
+    nested = processor(images=[[images[0]], [images[1]]], text=["a photo <|media_pad|> of", "<|media_pad|> a"],
+                       padding=True)
+    assert all(torch.equal(nested[key], out[key]) for key in out)
 
 
 def test_processor_saves_and_loads_offline_with_the_same_outputs(tmp_path):

@@ -322,7 +322,7 @@ def render_model_card(
 
 def pipeline_of(config) -> str:
     """The hub task of a model with ``config``: image-text-to-text when it has the vision tower."""
-    return VISION_PIPELINE if getattr(config, "vision_config", None) is not None else TEXT_PIPELINE
+    return VISION_PIPELINE if config.vision_config is not None else TEXT_PIPELINE
 
 
 def usage_section(load_from: str, local: bool = False, pipeline: str = TEXT_PIPELINE) -> str:
